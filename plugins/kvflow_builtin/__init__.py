@@ -1,0 +1,49 @@
+"""kvflow's built-in components, registered through the same hooks a third-party plugin uses
+(entry point ``builtin`` in the ``kvflow`` group of kvflow's own pyproject)."""
+
+from kvflow.hookspecs import hookimpl
+
+_EVICTORS = {
+    "none": "kvflow_builtin.evictors.none:NoEviction",
+    "random": "kvflow_builtin.evictors.random:RandomEvictor",
+}
+_PRUNERS = {
+    "entropy": "kvflow_builtin.pruners.entropy:EntropyPruner",
+    "gzip": "kvflow_builtin.pruners.gzip:GzipPruner",
+}
+_SCORERS = {
+    "likelihood": "kvflow_builtin.scorers.likelihood:LikelihoodScorer",
+    "random": "kvflow_builtin.scorers.random:RandomScorer",
+}
+_COMMITTERS = {
+    "best": "kvflow_builtin.committers.best:BestCommitter",
+}
+
+
+@hookimpl
+def register_evictors(register):
+    for name, target in _EVICTORS.items():
+        register(name, target)
+
+
+@hookimpl
+def register_pruners(register):
+    for name, target in _PRUNERS.items():
+        register(name, target)
+
+
+@hookimpl
+def register_scorers(register):
+    for name, target in _SCORERS.items():
+        register(name, target)
+
+
+@hookimpl
+def register_committers(register):
+    for name, target in _COMMITTERS.items():
+        register(name, target)
+
+
+@hookimpl
+def register_backends(register):
+    register("hf", "kvflow.backends.hf.engine:HFBackend")

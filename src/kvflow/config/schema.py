@@ -1,0 +1,99 @@
+"""Pydantic models of a pipeline file (DESIGN.md §5).
+
+Every model is frozen and forbids unknown fields. Component entries (`evictor`, `pruners`,
+`scorer`, `committer`) are validated in two passes: here only `kind` is checked for shape;
+`kvflow.config.validate` then looks the kind up in the plugin registry and validates the
+remaining keys against that component's own `Params` model, so third-party parameters get
+exactly the same checks and error messages as built-in ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ComponentRef(BaseModel):
+    """`{kind: name, **params}`: which registered component, and its raw parameters."""
+
+    model_config = ConfigDict(frozen=True, extra="allow")
+    kind: str
+
+    @property
+    def params(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class DatasetConfig(Frozen):
+    name: str = Field("gsm8k", description="Built-in dataset name (gsm8k, math500, ...).")
+    limit: Optional[int] = Field(None, ge=1, description="Use only the first `limit` problems (after offset/shuffle).")
+    offset: int = Field(0, ge=0, description="Skip this many problems first.")
+    shuffle: bool = Field(False, description="Shuffle with `run.seed` before offset/limit.")
+    prompt: str = Field("qwen25-math-cot", description="Prompt template name.")
+
+
+class ModelConfig(Frozen):
+    backend: Literal["hf", "sglang"] = Field("hf", description="Inference engine.")
+    id: str = Field(..., description="Hub id, local directory, .gguf path, or catalog:<name>.")
+    dtype: Literal["bfloat16", "float16", "float32", "auto"] = "bfloat16"
+    device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
+    gguf_file: Optional[str] = Field(None, description="GGUF file inside a hub repo or directory.")
+    tokenizer: Optional[str] = Field(None, description="Tokenizer source when it differs from `id`.")
+    trust_remote_code: bool = Field(False, description="Allow the checkpoint's own Python code. Off unless asked.")
+    revision: Optional[str] = None
+
+
+class SamplingConfig(Frozen):
+    temperature: float = Field(0.7, ge=0.0, description="0 means greedy.")
+    top_p: float = Field(0.95, gt=0.0, le=1.0)
+    max_step_tokens: int = Field(512, ge=1, description="A candidate step is cut here (finish `max_step_tokens`).")
+
+
+class ProposerConfig(Frozen):
+    model: str = Field(..., description="Key into `models`.")
+    n: int = Field(1, ge=1, description="Candidates per problem per step.")
+    sampling: SamplingConfig = SamplingConfig()
+    evictor: ComponentRef = Field(default_factory=lambda: ComponentRef(kind="none"))
+    pruners: list[ComponentRef] = Field(default_factory=list)
+
+
+class LimitsConfig(Frozen):
+    max_steps: int = Field(256, ge=1, description="Committed steps per problem before the cap.")
+    max_tokens: int = Field(4096, ge=1, description="Committed tokens (base tokenizer) per problem before the cap.")
+    stop_on_answer: bool = Field(False, description="End a trajectory once a committed step contains \\boxed{...}.")
+
+
+class RunConfig(Frozen):
+    seed: int = 0
+    batch_problems: int = Field(16, ge=1, description="Problems decoded together.")
+    output: str = Field("results", description="Parent directory of results directories.")
+    delimiter: str = Field("\n\n", min_length=1, description="Step delimiter.")
+    grade_timeout: float = Field(10.0, gt=0, description="Seconds before a grading call counts as wrong.")
+
+
+class Pipeline(Frozen):
+    kvflow: Literal[1] = Field(1, description="Pipeline file format version.")
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str = ""
+    dataset: DatasetConfig = DatasetConfig()
+    models: dict[str, ModelConfig]
+    proposers: dict[str, ProposerConfig]
+    scorer: ComponentRef = Field(default_factory=lambda: ComponentRef(kind="likelihood"))
+    committer: ComponentRef = Field(default_factory=lambda: ComponentRef(kind="best"))
+    limits: LimitsConfig = LimitsConfig()
+    run: RunConfig = RunConfig()
+
+    @field_validator("proposers")
+    @classmethod
+    def _at_least_one(cls, v: dict) -> dict:
+        if not v:
+            raise ValueError("a pipeline needs at least one proposer")
+        return v
+
+    # Cross-references (proposer -> model, scorer -> model/proposer) are checked in
+    # kvflow.config.validate, where each problem can be reported with its file and line.

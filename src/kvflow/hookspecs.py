@@ -1,0 +1,115 @@
+"""Plugin hook specifications (DESIGN.md §4).
+
+A plugin is a module (or object) named by an entry point in the group ``kvflow``, with
+functions decorated by ``kvflow.hookimpl`` and named after the hooks below. Each hook is
+called once, when the registry is first built (the first time a command needs component
+names), with a ``register`` callable::
+
+    # my_plugin.py, entry point:  [project.entry-points.kvflow]  tova = "my_plugin"
+    import kvflow
+
+    @kvflow.hookimpl
+    def register_evictors(register):
+        register("tova", "my_plugin.tova:TovaEvictor")
+
+``register(name, target)`` takes a component name (what YAML's ``kind:`` says) and either
+the class itself or a lazy ``"module:Class"`` string, imported only when the component is
+used or its parameters are validated. Built-in components register through these same hooks.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Union
+
+import pluggy
+
+PROJECT = "kvflow"
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+Register = Callable[[str, Union[type, str]], None]
+
+
+@hookspec
+def register_evictors(register: Register) -> None:
+    """Register KV eviction methods (subclasses of `kvflow.components.Evictor`).
+
+    Called once when the registry is built. Example::
+
+        register("streaming", "kvflow_builtin.evictors.streaming:StreamingEvictor")
+
+    Added in kvflow 0.1.
+    """
+
+
+@hookspec
+def register_pruners(register: Register) -> None:
+    """Register online degeneration detectors (subclasses of `kvflow.components.Pruner`).
+
+    Called once when the registry is built. Example::
+
+        register("ngram", "my_plugin:NgramRepetitionPruner")
+
+    Added in kvflow 0.1.
+    """
+
+
+@hookspec
+def register_scorers(register: Register) -> None:
+    """Register candidate scorers (subclasses of `kvflow.components.Scorer`).
+
+    Called once when the registry is built. Example::
+
+        register("length", "my_plugin:LengthScorer")
+
+    Added in kvflow 0.1.
+    """
+
+
+@hookspec
+def register_committers(register: Register) -> None:
+    """Register committers (subclasses of `kvflow.components.Committer`).
+
+    Called once when the registry is built. Example::
+
+        register("margin", "my_plugin:MarginCommitter")
+
+    Added in kvflow 0.1.
+    """
+
+
+@hookspec
+def register_proposers(register: Register) -> None:
+    """Register proposer implementations (how candidates are produced from a model).
+
+    Called once when the registry is built. kvflow 0.1 ships one, ``sampled``; the hook
+    exists so that e.g. beam or speculative proposers can be added. Example::
+
+        register("sampled", "kvflow.runtime.proposer:SampledProposer")
+
+    Added in kvflow 0.1.
+    """
+
+
+@hookspec
+def register_backends(register: Register) -> None:
+    """Register inference backends (what a model entry's ``backend:`` names).
+
+    Called once when the registry is built. Example::
+
+        register("hf", "kvflow.backends.hf:HFBackend")
+
+    Added in kvflow 0.1.
+    """
+
+
+#: the component kinds, in the order `kvflow ls` shows them, and their hooks
+KINDS = {
+    "evictors": "register_evictors",
+    "pruners": "register_pruners",
+    "scorers": "register_scorers",
+    "committers": "register_committers",
+    "proposers": "register_proposers",
+    "backends": "register_backends",
+}
