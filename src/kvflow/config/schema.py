@@ -66,6 +66,12 @@ class LimitsConfig(Frozen):
     max_steps: int = Field(256, ge=1, description="Committed steps per problem before the cap.")
     max_tokens: int = Field(4096, ge=1, description="Committed tokens (base tokenizer) per problem before the cap.")
     stop_on_answer: bool = Field(False, description="End a trajectory once a committed step contains \\boxed{...}.")
+    on_all_pruned: Literal["fallback", "stop"] = Field(
+        "fallback",
+        description="When every candidate of a problem was pruned: commit the best-scored pruned "
+        "candidate (its text up to where it was stopped) and mark the step `fallback`, or end the "
+        "trajectory with finish `pruned`.",
+    )
 
 
 class RunConfig(Frozen):

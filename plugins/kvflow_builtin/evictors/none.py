@@ -1,0 +1,27 @@
+"""`none`: full KV cache, no eviction (METHODS.md §1). The baseline for "full" rows."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from kvflow.components.base import Evictor, EvictorParams
+
+
+class NoEvictionParams(EvictorParams):
+    budget: int = Field(0, ge=0, description="Unused: a full cache keeps every token.")
+    buffer: int = Field(0, ge=0, description="Unused.")
+    window: int = Field(0, ge=0, description="Unused.")
+
+
+class NoEviction(Evictor):
+    """Full KV cache: keeps every token; the cache grows with the sequence."""
+
+    Params = NoEvictionParams
+    bounded = False
+
+    @property
+    def trigger(self) -> int:
+        return 2**62
+
+    def score(self, keys, values, queries, *, layer_idx, lengths, generators):  # pragma: no cover
+        raise RuntimeError("NoEviction never compacts")

@@ -1,0 +1,42 @@
+"""The attention function kvflow registers with transformers' `AttentionInterface`.
+
+It is sdpa with two differences: the mask comes from the `BudgetedCache` write plan (per-row
+valid lengths, right padding) instead of transformers' mask builders, and the post-RoPE
+queries are handed to the cache, which keeps the last W for attention-based evictors.
+Because "kvflow" is not registered as a mask function, transformers passes our 4D mask
+(or None) through untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+NAME = "kvflow"
+
+
+def kvflow_attention(module, query, key, value, attention_mask, **kwargs):
+    cache = kwargs.pop("kvflow_cache", None)
+    if cache is not None and cache.query_window:
+        cache.layers[module.layer_idx].record_queries(query)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+AttentionInterface.register(NAME, kvflow_attention)
+
+
+@contextlib.contextmanager
+def kvflow_attention_enabled(model: torch.nn.Module) -> Iterator[None]:
+    """Route the model's attention through kvflow for the duration of one forward, so the
+    same model object still works with plain `generate` outside."""
+    config = model.config
+    previous = config._attn_implementation
+    config._attn_implementation = NAME
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous

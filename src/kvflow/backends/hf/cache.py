@@ -1,0 +1,246 @@
+"""A budgeted, batched KV cache for transformers models (DESIGN.md §6-7).
+
+Per layer: keys and values [rows, kv_heads, capacity, head_dim] (keys after RoPE) and, for
+attention-based evictors, the last W post-RoPE queries [rows, q_heads, W, head_dim].
+Per row (shared by all layers): resident length, next logical position, protected prefix.
+
+Rows are written at their own offsets, so rows with different prompt lengths share one
+batch without left padding. A forward may carry right padding (rows with fewer new tokens
+than the widest row): padded tokens are written to a scratch slot past the resident region
+and masked out. When a row's resident length reaches `budget + buffer` it is compacted in
+place to exactly `budget` tokens per (layer, KV head), in time order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvflow.components.base import Evictor
+
+_GROW = 256  # capacity step for unbounded (full-KV) caches
+
+
+@dataclass
+class RowState:
+    """Per-row bookkeeping shared by every layer. Lives on the host: lengths are known
+    without reading the device, so the decode loop never syncs to learn them."""
+
+    lengths: torch.Tensor  # [rows] int64, resident tokens (equal for every layer and KV head)
+    positions: torch.Tensor  # [rows] int64, logical position of the next token
+    n_protected: torch.Tensor  # [rows] int64, leading slots that are never evicted
+    n_queries: torch.Tensor  # [rows] int64, valid entries at the right end of the query buffer
+    rng_keys: torch.Tensor  # [rows] int64, per-row seed of stochastic evictors
+    compactions: torch.Tensor  # [rows] int64, how many times each row was compacted
+
+    def select(self, rows: torch.Tensor) -> "RowState":
+        return RowState(*(getattr(self, f).index_select(0, rows) for f in self.__dataclass_fields__))
+
+    @staticmethod
+    def cat(states: Sequence["RowState"]) -> "RowState":
+        return RowState(*(torch.cat([getattr(s, f) for s in states]) for f in RowState.__dataclass_fields__))
+
+
+class BudgetedLayer(CacheLayerMixin):
+    """One layer's storage. `update()` is what the model's attention calls."""
+
+    def __init__(self, cache: "BudgetedCache") -> None:
+        super().__init__()
+        self.cache = cache
+        self.queries: Optional[torch.Tensor] = None  # [rows, q_heads, W, head_dim]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        rows, kv_heads, _, head_dim = key_states.shape
+        cap = self.cache.capacity
+        self.keys = key_states.new_zeros(rows, kv_heads, cap, head_dim)
+        self.values = value_states.new_zeros(rows, kv_heads, cap, value_states.shape[-1])
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        elif self.keys.shape[2] < self.cache.capacity:
+            self._grow(self.cache.capacity)
+        write = self.cache._write_plan  # set by BudgetedCache.begin_forward
+        if write.contiguous_at is not None:
+            start, t = write.contiguous_at, key_states.shape[2]
+            self.keys[:, :, start : start + t] = key_states
+            self.values[:, :, start : start + t] = value_states
+        else:
+            idx = write.slots[:, None, :, None]  # [rows, 1, T, 1]
+            self.keys.scatter_(2, idx.expand_as(key_states), key_states)
+            self.values.scatter_(2, idx.expand(-1, value_states.shape[1], -1, value_states.shape[3]), value_states)
+        return self.keys[:, :, : write.span], self.values[:, :, : write.span]
+
+    def record_queries(self, query: torch.Tensor) -> None:
+        """Keep the last W real queries of each row, right-aligned. query: [rows, q_heads, T, head_dim]."""
+        w = self.cache.query_window
+        rows, heads, t, d = query.shape
+        if self.queries is None:
+            self.queries = query.new_zeros(rows, heads, w, d)
+        joined = torch.cat([self.queries, query], dim=2)  # [rows, heads, W + T, d]
+        # old valid entries end at W and new ones start there, so the last W valid entries of
+        # row r are joined[s_r : s_r + W], with s_r the row's real new-token count.
+        idx = self.cache._write_plan.query_gather  # [rows, W]
+        self.queries = joined.gather(2, idx[:, None, :, None].expand(rows, heads, w, d))
+
+    def _grow(self, capacity: int) -> None:
+        pad = capacity - self.keys.shape[2]
+        self.keys = torch.nn.functional.pad(self.keys, (0, 0, 0, pad))
+        self.values = torch.nn.functional.pad(self.values, (0, 0, 0, pad))
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cache._write_plan.span, 0
+
+    def get_seq_length(self) -> int:
+        return int(self.cache.rows.lengths.max()) if len(self.cache.rows.lengths) else 0
+
+    def get_max_length(self) -> int:
+        return self.cache.capacity if self.cache.evictor.bounded else -1
+
+
+@dataclass
+class WritePlan:
+    """Where one forward's new tokens go, computed once on the host and shared by all layers."""
+
+    slots: torch.Tensor  # [rows, T] slot of each new token (padding -> scratch slot)
+    span: int  # slots the attention looks at
+    contiguous_at: Optional[int]  # every row writes T real tokens at this same slot
+    mask: Optional[torch.Tensor]  # [rows, 1, T, span] bool, None when plain causal is exact
+    query_gather: Optional[torch.Tensor]  # [rows, W] int64
+
+
+class BudgetedCache(Cache):
+    """The KV cache of one proposer batch. See the module docstring."""
+
+    def __init__(self, evictor: Evictor, num_layers: int, rows: RowState, device: torch.device,
+                 capacity: Optional[int] = None) -> None:
+        self.evictor = evictor
+        self.query_window = evictor.query_window
+        self.device = device
+        self.rows = rows
+        if evictor.bounded:
+            self.capacity = evictor.trigger + 1  # +1: the scratch slot for padding writes
+        else:
+            self.capacity = capacity or _GROW
+        super().__init__(layers=[BudgetedLayer(self) for _ in range(num_layers)])
+        self._write_plan: Optional[WritePlan] = None
+
+    # ------------------------------------------------------------------ rows
+
+    @property
+    def n_rows(self) -> int:
+        return int(self.rows.lengths.shape[0])
+
+    def select(self, rows: torch.Tensor | Sequence[int]) -> "BudgetedCache":
+        """A new cache holding copies of the given rows (fork a row N ways by repeating it)."""
+        rows = torch.as_tensor(rows, dtype=torch.long)
+        out = BudgetedCache(self.evictor, len(self.layers), self.rows.select(rows), self.device, self.capacity)
+        dev_rows = rows.to(self.device)
+        for src, dst in zip(self.layers, out.layers):
+            if src.is_initialized:
+                dst.keys = src.keys.index_select(0, dev_rows)
+                dst.values = src.values.index_select(0, dev_rows)
+                dst.is_initialized = True
+            if src.queries is not None:
+                dst.queries = src.queries.index_select(0, dev_rows)
+        return out
+
+    @staticmethod
+    def cat(caches: Sequence["BudgetedCache"]) -> "BudgetedCache":
+        """Rows of several caches (same evictor and model) in one cache."""
+        first = caches[0]
+        capacity = max(c.capacity for c in caches)
+        out = BudgetedCache(first.evictor, len(first.layers), RowState.cat([c.rows for c in caches]),
+                            first.device, capacity)
+        for i, layer in enumerate(out.layers):
+            parts = [c.layers[i] for c in caches]
+            if all(p.is_initialized for p in parts):
+                for p in parts:
+                    if p.keys.shape[2] < capacity:
+                        p._grow(capacity)
+                layer.keys = torch.cat([p.keys for p in parts])
+                layer.values = torch.cat([p.values for p in parts])
+                layer.is_initialized = True
+            if all(p.queries is not None for p in parts):
+                layer.queries = torch.cat([p.queries for p in parts])
+        return out
+
+    def resident_bytes(self) -> int:
+        """Bytes held by the key/value storage (all rows, all layers)."""
+        return sum(l.keys.numel() * l.keys.element_size() * 2 for l in self.layers if l.is_initialized)
+
+    # ------------------------------------------------------------------ forward bookkeeping
+
+    def begin_forward(self, step_lens: torch.Tensor, width: int) -> WritePlan:
+        """Plan the writes of a forward that appends `step_lens[r]` (≤ width) tokens per row."""
+        lengths = self.rows.lengths
+        new_lengths = lengths + step_lens
+        if self.evictor.bounded:
+            if int(new_lengths.max()) > self.evictor.trigger:
+                raise RuntimeError("BudgetedCache: forward would exceed budget + buffer; chunk the input")
+        elif int(new_lengths.max()) + 1 > self.capacity:
+            self.capacity = (int(new_lengths.max()) // _GROW + 2) * _GROW
+        scratch = self.capacity - 1
+        t = torch.arange(width)
+        slots = torch.where(t[None, :] < step_lens[:, None], lengths[:, None] + t[None, :], scratch)
+        span = int(new_lengths.max())
+        uniform = bool((lengths == lengths[0]).all()) and bool((step_lens == width).all())
+        contiguous_at = int(lengths[0]) if uniform else None
+        if uniform and (width == 1 or int(lengths[0]) == 0):
+            mask = None  # plain causal attention over the whole span is exact here
+        else:
+            key = torch.arange(span)
+            mask = key[None, None, :] <= (lengths[:, None, None] + t[None, :, None])  # [rows, T, span]
+            mask = mask[:, None].to(self.device)
+        query_gather = None
+        if self.query_window:
+            query_gather = (step_lens[:, None] + torch.arange(self.query_window)[None, :]).to(self.device)
+        self._write_plan = WritePlan(slots.to(self.device), span, contiguous_at, mask, query_gather)
+        return self._write_plan
+
+    def end_forward(self, step_lens: torch.Tensor) -> None:
+        self.rows.lengths = self.rows.lengths + step_lens
+        self.rows.positions = self.rows.positions + step_lens
+        if self.query_window:
+            self.rows.n_queries = torch.clamp(self.rows.n_queries + step_lens, max=self.query_window)
+        self._write_plan = None
+        if self.evictor.bounded:
+            due = (self.rows.lengths >= self.evictor.trigger).nonzero().flatten()
+            if len(due):
+                self.compact(due)
+
+    # ------------------------------------------------------------------ eviction
+
+    def compact(self, rows: torch.Tensor) -> None:
+        """Evict rows down to exactly `budget` tokens per (layer, KV head)."""
+        budget = self.evictor.params.budget
+        lengths = self.rows.lengths.index_select(0, rows)
+        n = int(lengths.max())
+        dev_rows = rows.to(self.device)
+        generators = [
+            torch.Generator().manual_seed((int(k) * 1_000_003 + int(c)) % 2**63)
+            for k, c in zip(self.rows.rng_keys[rows], self.rows.compactions[rows])
+        ]
+        for layer_idx, layer in enumerate(self.layers):
+            keys = layer.keys.index_select(0, dev_rows)[:, :, :n]
+            values = layer.values.index_select(0, dev_rows)[:, :, :n]
+            queries = layer.queries.index_select(0, dev_rows) if layer.queries is not None else None
+            keep = self.evictor.select(
+                keys, values, queries, layer_idx=layer_idx, lengths=lengths,
+                n_protected=self.rows.n_protected.index_select(0, rows), generators=generators,
+            )  # [rows, kv_heads, budget]
+            idx = keep.to(self.device)[..., None]
+            layer.keys[dev_rows, :, :budget] = keys.gather(2, idx.expand(-1, -1, -1, keys.shape[-1]))
+            layer.values[dev_rows, :, :budget] = values.gather(2, idx.expand(-1, -1, -1, values.shape[-1]))
+        self.rows.lengths[rows] = budget
+        self.rows.compactions[rows] += 1
+
+
+def new_rows(n: int, rng_keys: Sequence[int] | None = None) -> RowState:
+    zeros = torch.zeros(n, dtype=torch.long)
+    keys = torch.as_tensor(list(rng_keys) if rng_keys is not None else [0] * n, dtype=torch.long)
+    return RowState(zeros.clone(), zeros.clone(), zeros.clone(), zeros.clone(), keys, zeros.clone())

@@ -1,0 +1,205 @@
+"""Step-level decoding on the `hf` backend: sampling, proposing candidate steps, and keeping
+a proposer's per-problem state in sync with the committed trajectory (DESIGN.md §6).
+
+A proposer's state for a batch of problems is one `BudgetedCache` with a row per problem
+plus each row's pending token (the newest token, not yet in the cache). `propose()` forks
+every row `n` ways and decodes all candidate rows together; a row leaves the batch the
+moment it ends (delimiter, EOS, step cap) or a pruner stops it, and its state is kept aside
+so that `sync()` can adopt it if it is committed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from kvflow.backends.hf.cache import BudgetedCache
+from kvflow.backends.hf.engine import HFRunner
+from kvflow.components.base import Candidate, Evictor, Pruner, StepTrace
+
+
+def row_seed(*parts: object) -> int:
+    """A stable 63-bit seed from any tuple of values (run seed, problem id, proposer, ...)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float, uniforms: torch.Tensor):
+    """Draw one token per row by inverse CDF with the given uniforms.
+
+    logits: [rows, vocab] float32; uniforms: [rows] in [0, 1)
+    returns tokens [rows] int64, logprobs [rows] (model's own, temperature 1), and
+    entropies [rows] of the sampling distribution (after temperature, before top-p), in nats.
+    """
+    logp = torch.log_softmax(logits, dim=-1)  # [rows, vocab]
+    if temperature <= 0:
+        tokens = logits.argmax(-1)
+        entropy = -(logp.exp() * logp).nan_to_num().sum(-1)
+    else:
+        slogp = torch.log_softmax(logits / temperature, dim=-1)
+        probs = slogp.exp()
+        entropy = -(probs * slogp).nan_to_num().sum(-1)
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        cum = sorted_p.cumsum(-1)
+        if top_p < 1.0:
+            sorted_p = sorted_p.masked_fill(cum - sorted_p >= top_p, 0.0)  # keep the smallest nucleus
+            cum = sorted_p.cumsum(-1)
+        target = uniforms.to(cum.device)[:, None] * cum[:, -1:]
+        pick = torch.searchsorted(cum, target).clamp(max=cum.shape[-1] - 1)  # [rows, 1]
+        tokens = order.gather(-1, pick).squeeze(-1)
+    chosen = logp.gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, chosen, entropy
+
+
+# --------------------------------------------------------------------------- state
+
+
+@dataclass
+class ProposerState:
+    """One proposer's model state for the problems of a batch (one row each)."""
+
+    cache: BudgetedCache
+    pending: torch.Tensor  # [rows] int64
+    # candidate states kept for adoption: (problem row, candidate index) -> (1-row cache, pending)
+    kept: dict[tuple[int, int], tuple[BudgetedCache, int]] = field(default_factory=dict)
+
+
+@dataclass
+class DecodeSpec:
+    name: str  # proposer name
+    n: int
+    temperature: float
+    top_p: float
+    max_step_tokens: int
+    delimiter: str
+    pruners: Sequence[tuple[str, Pruner]] = ()
+    record_signals: bool = False
+
+
+def start(runner: HFRunner, evictor: Evictor, prompts: Sequence[str], rng_keys: Sequence[int]) -> ProposerState:
+    cache = runner.new_cache(evictor, len(prompts), rng_keys)
+    pending = runner.prefill(cache, [runner.encode(p) for p in prompts])
+    return ProposerState(cache, pending)
+
+
+@torch.inference_mode()
+def propose(runner: HFRunner, state: ProposerState, spec: DecodeSpec, token_room: Sequence[int],
+            sample_seeds: Sequence[int]) -> list[Candidate]:
+    """`spec.n` candidates for every row of `state` (all rows decoded together).
+
+    token_room[p]: most tokens problem p may still add (limits.max_tokens); sample_seeds[p]:
+    seed of problem p's candidates this round (candidate i uses row_seed(seed, i)).
+    """
+    n, n_problems = spec.n, state.cache.n_rows
+    fork = torch.arange(n_problems).repeat_interleave(n)  # candidate row -> problem row
+    cache = state.cache.select(fork)
+    cache.rows.rng_keys = torch.as_tensor([row_seed(int(k), i % n) for i, k in enumerate(cache.rows.rng_keys)])
+    pending = state.pending[fork]
+    rows = fork.numel()
+    cap = torch.as_tensor([min(spec.max_step_tokens, max(1, token_room[p])) for p in fork.tolist()])
+    generators = [torch.Generator().manual_seed(row_seed(sample_seeds[p], i % n)) for i, p in enumerate(fork.tolist())]
+    tokens: list[list[int]] = [[] for _ in range(rows)]
+    logprobs: list[list[float]] = [[] for _ in range(rows)]
+    texts = [""] * rows
+    entropies = torch.zeros(rows, int(cap.max()))
+    signals: list[dict[str, list[float]]] = [{} for _ in range(rows)]
+    finish: list[Optional[str]] = [None] * rows
+    live = torch.arange(rows)  # candidate ids still decoding, in cache row order
+    state.kept.clear()
+    tail = len(spec.delimiter) - 1
+    while len(live):
+        logits = runner.forward(cache, pending[:, None])  # [live, vocab]
+        uniforms = torch.stack([torch.rand((), generator=generators[c]) for c in live.tolist()])
+        new, lp, ent = sample(logits, spec.temperature, spec.top_p, uniforms)
+        new, lp, ent = new.cpu(), lp.cpu(), ent.cpu()
+        done = torch.zeros(len(live), dtype=torch.bool)
+        for j, c in enumerate(live.tolist()):
+            tok = int(new[j])
+            tokens[c].append(tok)
+            logprobs[c].append(float(lp[j]))
+            entropies[c, len(tokens[c]) - 1] = ent[j]
+            before = texts[c][-tail:] if tail else ""
+            piece = runner.piece(tok)
+            texts[c] += piece
+            if tok in runner.eos_ids:
+                finish[c] = "eos"
+            elif spec.delimiter in before + piece:
+                finish[c] = "delimiter"
+            elif len(tokens[c]) >= int(cap[c]):
+                finish[c] = "max_step_tokens"
+            done[j] = finish[c] is not None
+        if spec.pruners:
+            counts = torch.as_tensor([len(tokens[c]) for c in live.tolist()])
+            trace = StepTrace(entropies[live], counts, [texts[c] for c in live.tolist()])
+            for pname, pruner in spec.pruners:
+                if spec.record_signals:
+                    values = pruner.signal(trace).tolist()
+                    for j, c in enumerate(live.tolist()):
+                        signals[c].setdefault(pname, []).append(values[j])
+                flagged = pruner.check(trace) & ~done
+                for j in flagged.nonzero().flatten().tolist():
+                    finish[int(live[j])] = f"pruned:{pname}"
+                    done[j] = True
+        if done.any():
+            for j in done.nonzero().flatten().tolist():
+                c = int(live[j])
+                state.kept[(c // n, c % n)] = (cache.select([j]), tokens[c][-1])
+            stay = (~done).nonzero().flatten()
+            live, new = live[stay], new[stay]
+            if len(live):
+                cache = cache.select(stay)
+        pending = new
+    return [
+        Candidate(
+            problem=c // n, source=spec.name, index=c % n, token_ids=tokens[c],
+            text=runner.decode(tokens[c][:-1] if finish[c] == "eos" else tokens[c]),
+            logprobs=logprobs[c], entropies=entropies[c, : len(tokens[c])].tolist(), finish=finish[c] or "",
+            signals=signals[c],
+        )
+        for c in range(rows)
+    ]
+
+
+@torch.inference_mode()
+def sync(runner: HFRunner, state: ProposerState, commits: Sequence[tuple[Optional[int], str]],
+         keep_rows: Sequence[int]) -> ProposerState:
+    """Bring every row up to date with the step just committed, then keep only `keep_rows`.
+
+    commits[p] = (index of this proposer's candidate that was committed, or None; step text).
+    A committed own candidate is adopted (its cache becomes the row's state); otherwise the
+    committed text, tokenized with this model's tokenizer, is ingested with eviction.
+    """
+    parts: list[tuple[BudgetedCache, torch.Tensor]] = []
+    ingest_rows = [p for p in keep_rows if commits[p][0] is None]
+    order: dict[int, int] = {}
+    if ingest_rows:
+        sub = state.cache.select(ingest_rows)
+        new_ids = [runner.encode(commits[p][1]) for p in ingest_rows]
+        pend = state.pending[ingest_rows]
+        runner.ingest(sub, [[int(pend[i])] + ids[:-1] if ids else [] for i, ids in enumerate(new_ids)])
+        pending = torch.as_tensor([ids[-1] if ids else int(pend[i]) for i, ids in enumerate(new_ids)])
+        parts.append((sub, pending))
+        order.update({p: i for i, p in enumerate(ingest_rows)})
+    offset = len(ingest_rows)
+    for p in keep_rows:
+        own = commits[p][0]
+        if own is not None:
+            kept_cache, last = state.kept[(p, own)]
+            parts.append((kept_cache, torch.as_tensor([last])))
+            order[p] = offset
+            offset += 1
+    state.kept.clear()
+    if not parts:
+        return ProposerState(state.cache.select([]), state.pending[:0])
+    cache = BudgetedCache.cat([c for c, _ in parts]) if len(parts) > 1 else parts[0][0]
+    pending = torch.cat([pnd for _, pnd in parts])
+    perm = [order[p] for p in keep_rows]
+    if perm != list(range(len(perm))):
+        cache, pending = cache.select(perm), pending[perm]
+    return ProposerState(cache, pending)

@@ -1,0 +1,142 @@
+"""The `hf` backend: one loaded transformers model and the forward passes kvflow needs.
+
+`HFRunner.forward()` appends tokens to a `BudgetedCache` (rows at their own offsets, right
+padding allowed) and returns the logits of each row's last real token; `ingest()` appends
+text of any length without ever holding more than `budget + buffer` tokens, compacting as
+it goes. The decode loop built on these lives in `kvflow.backends.hf.decode`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from kvflow.backends.hf.attention import kvflow_attention_enabled
+from kvflow.backends.hf.cache import BudgetedCache, new_rows
+from kvflow.components.base import Evictor
+
+_INGEST_CHUNK = 512  # tokens per forward when ingesting into an unbounded cache
+
+
+class HFRunner:
+    """A transformers causal LM + tokenizer, driven with kvflow's budgeted cache."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = next(model.parameters()).device
+        self.body = model.base_model  # decoder stack without the LM head
+        self.lm_head = model.get_output_embeddings()
+        self.num_layers = model.config.num_hidden_layers
+        self.eos_ids = _eos_ids(model, tokenizer)
+        self._pieces: dict[int, str] = {}
+
+    # ------------------------------------------------------------------ text
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def piece(self, token_id: int) -> str:
+        """Text of one token on its own (partial UTF-8 shows as U+FFFD; the delimiter is ASCII)."""
+        text = self._pieces.get(token_id)
+        if text is None:
+            text = self._pieces[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+    # ------------------------------------------------------------------ caches
+
+    def new_cache(self, evictor: Evictor, n_rows: int, rng_keys: Optional[Sequence[int]] = None) -> BudgetedCache:
+        return BudgetedCache(evictor, self.num_layers, new_rows(n_rows, rng_keys), self.device)
+
+    def prefill(self, cache: BudgetedCache, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Ingest each prompt but its last token, which stays pending: [rows] int64.
+
+        Keeping the last token out of the cache makes a row's state "cache + pending token",
+        which a candidate's state also is when it stops, so adopting a candidate is a copy.
+        """
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("empty prompt")
+        self.ingest(cache, [p[:-1] for p in prompts])
+        lengths = torch.as_tensor([len(p) - 1 for p in prompts], dtype=torch.long)
+        cache.rows.n_protected = torch.as_tensor([cache.evictor.n_protected(int(n)) for n in lengths], dtype=torch.long)
+        return torch.as_tensor([p[-1] for p in prompts], dtype=torch.long)
+
+    # ------------------------------------------------------------------ forward passes
+
+    @torch.inference_mode()
+    def forward(self, cache: BudgetedCache, ids: Sequence[Sequence[int]] | torch.Tensor,
+                logits: str = "last") -> Optional[torch.Tensor]:
+        """Append ids[r] to row r and run the model.
+
+        logits: "last" -> [rows, vocab] float32 at each row's last new token (rows with no new
+                token get garbage); "hidden" -> the final hidden states [rows, T, hidden];
+                "none" -> None.
+        """
+        if isinstance(ids, torch.Tensor):  # [rows, T], no padding
+            input_ids = ids
+            step_lens = torch.full((ids.shape[0],), ids.shape[1], dtype=torch.long)
+        else:
+            step_lens = torch.as_tensor([len(x) for x in ids], dtype=torch.long)
+            width = max(1, int(step_lens.max()))
+            input_ids = torch.zeros(len(ids), width, dtype=torch.long)
+            for r, x in enumerate(ids):
+                input_ids[r, : len(x)] = torch.as_tensor(x, dtype=torch.long)
+        width = input_ids.shape[1]
+        plan = cache.begin_forward(step_lens, width)
+        positions = cache.rows.positions[:, None] + torch.arange(width)[None, :]  # [rows, T]
+        with kvflow_attention_enabled(self.model):
+            out = self.body(
+                input_ids=input_ids.to(self.device),
+                position_ids=positions.to(self.device),
+                attention_mask=plan.mask,
+                cache=cache,
+                use_cache=True,
+                kvflow_cache=cache,
+            )
+        cache.end_forward(step_lens)
+        hidden = out.last_hidden_state  # [rows, T, hidden]
+        if logits == "none":
+            return None
+        if logits == "hidden":
+            return hidden
+        last = (step_lens - 1).clamp(min=0).to(self.device)
+        return self.lm_head(hidden[torch.arange(hidden.shape[0], device=self.device), last]).float()
+
+    def ingest(self, cache: BudgetedCache, ids: Sequence[Sequence[int]]) -> None:
+        """Append ids[r] to row r, in chunks that never push a row past `budget + buffer`."""
+        remaining = [list(x) for x in ids]
+        while any(remaining):
+            if cache.evictor.bounded:
+                room = (cache.evictor.trigger - cache.rows.lengths).tolist()
+            else:
+                room = [_INGEST_CHUNK] * cache.n_rows
+            chunk = [r[: max(0, n)] for r, n in zip(remaining, room)]
+            remaining = [r[len(c):] for r, c in zip(remaining, chunk)]
+            self.forward(cache, chunk, logits="none")
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is None:
+            continue
+        ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    return {int(i) for i in ids}
+
+
+class HFBackend:
+    """Registered as backend `hf`: loads models into `HFRunner`s."""
+
+    name = "hf"
+
+    @staticmethod
+    def load(model_cfg) -> HFRunner:
+        from kvflow.models.loading import load_model
+
+        model, tokenizer = load_model(model_cfg)
+        return HFRunner(model, tokenizer)

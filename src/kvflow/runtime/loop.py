@@ -1,0 +1,124 @@
+"""The step loop (DESIGN.md §6): propose, prune, score, commit, sync — batched over problems.
+
+One call to `run_batch` decodes a batch of problems to the end. Each round every proposer
+proposes `n` candidates per live problem (all in one decode batch), pruners stop degenerate
+candidates while they are generated, the scorer scores the survivors, the committer picks
+one step per problem, and every proposer brings its state up to date. A finished problem
+is handed to `on_done` at once, so results are written as they come.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+from kvflow.backends.hf import decode
+from kvflow.backends.hf.engine import HFRunner
+from kvflow.components.base import Candidate, Committer, Evictor, Scorer, ScoreRequest, Step, Trajectory
+from kvflow.config.schema import LimitsConfig
+
+
+@dataclass
+class Proposer:
+    """A compiled proposer: a model runner, its evictor, and how it samples."""
+
+    name: str
+    runner: HFRunner
+    evictor: Evictor
+    spec: decode.DecodeSpec
+
+
+@dataclass
+class Plan:
+    """Everything the step loop needs, built by `kvflow.runtime.compile`."""
+
+    proposers: list[Proposer]
+    scorer: Scorer
+    committer: Committer
+    limits: LimitsConfig
+    seed: int
+
+
+def run_batch(plan: Plan, trajectories: Sequence[Trajectory], on_done: Callable[[Trajectory], None],
+              on_round: Optional[Callable[[], None]] = None) -> None:
+    trajs = list(trajectories)
+    for t in trajs:
+        for p in plan.proposers:
+            t.tokens_generated.setdefault(p.name, 0)
+            for pname, _ in p.spec.pruners:
+                t.pruned.setdefault(pname, 0)
+    states = {
+        p.name: decode.start(p.runner, p.evictor, [t.prompt for t in trajs],
+                             [decode.row_seed(plan.seed, t.problem_id, p.name) for t in trajs])
+        for p in plan.proposers
+    }
+    base = plan.proposers[0]
+    live = list(range(len(trajs)))  # batch rows still decoding; row i of every state is trajs[live[i]]
+    while live:
+        by_problem: list[list[Candidate]] = [[] for _ in live]
+        for p in plan.proposers:
+            room = [plan.limits.max_tokens - trajs[i].committed_tokens for i in live]
+            seeds = [decode.row_seed(plan.seed, trajs[i].problem_id, p.name, len(trajs[i].steps)) for i in live]
+            for c in decode.propose(p.runner, states[p.name], p.spec, room, seeds):
+                by_problem[c.problem].append(c)
+                traj = trajs[live[c.problem]]
+                traj.tokens_generated[p.name] += c.n_tokens
+                if c.pruned:
+                    traj.pruned[c.finish.split(":", 1)[1]] += 1
+        _score(plan.scorer, [trajs[i] for i in live], [[c for c in cs if not c.pruned] for cs in by_problem])
+        commits: dict[str, list[tuple[Optional[int], str]]] = {p.name: [] for p in plan.proposers}
+        keep: list[int] = []
+        for row, cands in enumerate(by_problem):
+            traj = trajs[live[row]]
+            survivors = [c for c in cands if not c.pruned]
+            winner: Optional[Candidate] = None
+            if survivors:
+                winner = survivors[plan.committer.pick(survivors)]
+            elif plan.limits.on_all_pruned == "fallback":
+                _score(plan.scorer, [traj], [cands])
+                winner = cands[plan.committer.pick(cands)]
+            if winner is None:
+                traj.finish = "pruned"
+            else:
+                _commit(traj, winner, base, fallback=not survivors)
+                _finish_if_done(traj, winner, plan.limits)
+            for p in plan.proposers:
+                own = winner.index if winner is not None and winner.source == p.name else None
+                commits[p.name].append((own, winner.text if winner is not None else ""))
+            if traj.finish is None:
+                keep.append(row)
+        for p in plan.proposers:
+            states[p.name] = decode.sync(p.runner, states[p.name], commits[p.name], keep)
+        kept = set(keep)
+        done = [live[r] for r in range(len(live)) if r not in kept]
+        plan.scorer.release([trajs[i].problem_id for i in done])
+        for i in done:
+            on_done(trajs[i])
+        live = [live[r] for r in keep]
+        if on_round is not None:
+            on_round()
+
+
+def _score(scorer: Scorer, trajs: Sequence[Trajectory], candidates: Sequence[Sequence[Candidate]]) -> None:
+    requests = [ScoreRequest(t, c) for t, cs in zip(trajs, candidates) for c in cs if scorer.can_score(c.source)]
+    for req, s in zip(requests, scorer.score(requests)):
+        req.candidate.score = float(s)
+
+
+def _commit(traj: Trajectory, winner: Candidate, base: Proposer, *, fallback: bool) -> None:
+    n_tokens = winner.n_tokens if winner.source == base.name else len(base.runner.encode(winner.text))
+    score = None if winner.score is None or math.isnan(winner.score) else winner.score
+    traj.steps.append(Step(winner.text, winner.source, score, n_tokens, fallback))
+    traj.committed_tokens += n_tokens
+
+
+def _finish_if_done(traj: Trajectory, winner: Candidate, limits: LimitsConfig) -> None:
+    if winner.finish == "eos":
+        traj.finish = "eos"
+    elif limits.stop_on_answer and "\\boxed" in winner.text:
+        traj.finish = "answer"
+    elif len(traj.steps) >= limits.max_steps:
+        traj.finish = "cap_steps"
+    elif traj.committed_tokens >= limits.max_tokens:
+        traj.finish = "cap_tokens"
