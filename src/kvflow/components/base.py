@@ -80,7 +80,9 @@ class Trajectory:
     finish: Optional[str] = None  # eos | answer | cap_steps | cap_tokens
     tokens_generated: dict[str, int] = field(default_factory=dict)
     pruned: dict[str, int] = field(default_factory=dict)
+    candidates: dict[str, int] = field(default_factory=dict)  # candidates proposed, by proposer
     committed_tokens: int = 0
+    signals: list[dict] = field(default_factory=list)  # per-candidate pruner traces, when recorded
 
     @property
     def text(self) -> str:

@@ -80,6 +80,7 @@ class RunConfig(Frozen):
     output: str = Field("results", description="Parent directory of results directories.")
     delimiter: str = Field("\n\n", min_length=1, description="Step delimiter.")
     grade_timeout: float = Field(10.0, gt=0, description="Seconds before a grading call counts as wrong.")
+    record_signals: bool = Field(False, description="Record every candidate's per-token pruner signals in samples.jsonl (for `kvflow calibrate`).")
 
 
 class Pipeline(Frozen):

@@ -46,6 +46,7 @@ def run_batch(plan: Plan, trajectories: Sequence[Trajectory], on_done: Callable[
     for t in trajs:
         for p in plan.proposers:
             t.tokens_generated.setdefault(p.name, 0)
+            t.candidates.setdefault(p.name, 0)
             for pname, _ in p.spec.pruners:
                 t.pruned.setdefault(pname, 0)
     states = {
@@ -64,6 +65,10 @@ def run_batch(plan: Plan, trajectories: Sequence[Trajectory], on_done: Callable[
                 by_problem[c.problem].append(c)
                 traj = trajs[live[c.problem]]
                 traj.tokens_generated[p.name] += c.n_tokens
+                traj.candidates[p.name] += 1
+                if c.signals:
+                    traj.signals.append({"step": len(traj.steps), "source": c.source, "index": c.index,
+                                         "finish": c.finish, "signals": c.signals})
                 if c.pruned:
                     traj.pruned[c.finish.split(":", 1)[1]] += 1
         _score(plan.scorer, [trajs[i] for i in live], [[c for c in cs if not c.pruned] for cs in by_problem])

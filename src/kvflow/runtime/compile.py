@@ -1,0 +1,87 @@
+"""Compile a validated pipeline into an executable `Plan` (DESIGN.md §3).
+
+`check_models()` runs first and loads nothing: every model the pipeline uses must be
+obtainable on this machine (a catalog checkpoint, a local file or directory, a hub id in
+the local cache or with a reachable hub), otherwise the run fails before any weights load.
+`build_plan()` then loads each distinct checkpoint once and instantiates the components.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from kvflow.config.validate import LoadedPipeline
+from kvflow.errors import UserError
+
+CPU_HINT = ("on a machine without these models, run a CPU pipeline instead: "
+            "`kvflow run pipelines/quickstart.yaml` or one under pipelines/cpu/ (see `kvflow ls pipelines`)")
+
+
+def used_models(loaded: LoadedPipeline) -> list[str]:
+    pipe = loaded.pipeline
+    keys = [p.model for p in pipe.proposers.values()]
+    scorer = loaded.components.scorer
+    keys += scorer.cls.models_needed(scorer.params)
+    return list(dict.fromkeys(keys))
+
+
+def check_models(loaded: LoadedPipeline) -> None:
+    from kvflow.models.loading import check_available
+
+    problems = []
+    for key in used_models(loaded):
+        cfg = loaded.pipeline.models[key]
+        if cfg.backend != "hf":
+            problems.append(loaded.problem(f"models.{key}.backend", f"backend {cfg.backend!r} is not available in this "
+                                           "version of kvflow", "use backend: hf"))
+            continue
+        why = check_available(cfg)
+        if why:
+            problems.append(loaded.problem(f"models.{key}.id", f"model {cfg.id!r} is not available: {why}", CPU_HINT))
+    if problems:
+        raise UserError(problems)
+
+
+def build_plan(loaded: LoadedPipeline, registry, on_load: Callable[[str], None] = lambda key: None):
+    """Load models and instantiate components. Returns (plan, runners by model key)."""
+    from kvflow.backends.hf.decode import DecodeSpec
+    from kvflow.backends.hf.scoring import ScoringSession
+    from kvflow.components.base import ScorerContext
+    from kvflow.runtime.loop import Plan, Proposer
+
+    pipe = loaded.pipeline
+    runners: dict[str, object] = {}
+
+    def runner_for(key: str):
+        if key not in runners:
+            on_load(key)
+            backend = registry.get("backends", pipe.models[key].backend)
+            runners[key] = backend.load(pipe.models[key])
+        return runners[key]
+
+    full_kv_cls = registry.get("evictors", "none")
+    proposers = []
+    for name, cfg in pipe.proposers.items():
+        comps = loaded.components.proposers[name]
+        spec = DecodeSpec(
+            name=name, n=cfg.n, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
+            max_step_tokens=cfg.sampling.max_step_tokens, delimiter=pipe.run.delimiter,
+            pruners=[(p.name, p.cls(p.params)) for p in comps.pruners],
+            record_signals=pipe.run.record_signals,
+        )
+        proposers.append(Proposer(name, runner_for(cfg.model), comps.evictor.cls(comps.evictor.params), spec))
+    context = ScorerContext(
+        load_session=lambda key: ScoringSession(runner_for(key), full_kv_cls(full_kv_cls.Params())),
+        proposers=list(pipe.proposers), seed=pipe.run.seed, delimiter=pipe.run.delimiter,
+    )
+    scorer = loaded.components.scorer.cls(loaded.components.scorer.params, context)
+    committer = loaded.components.committer.cls(loaded.components.committer.params, list(pipe.proposers))
+    return Plan(proposers, scorer, committer, pipe.limits, pipe.run.seed), runners
+
+
+def pruner_owners(loaded: LoadedPipeline) -> dict[str, list[str]]:
+    owners: dict[str, list[str]] = {}
+    for name, comps in loaded.components.proposers.items():
+        for p in comps.pruners:
+            owners.setdefault(p.name, []).append(name)
+    return owners

@@ -1,0 +1,156 @@
+"""A run's results directory (DESIGN.md §8): `results/<name>__<hash>/`.
+
+- `config.resolved.yaml`: the pipeline after include and overrides;
+- `manifest.json`: versions, git commit, device, seed, times;
+- `samples.jsonl`: one record per finished problem, appended and flushed as it finishes;
+- `metrics.json`: aggregate metrics, written when the run completes.
+
+A killed run leaves at most one torn line at the end of `samples.jsonl`; `ResultsDir.load()`
+cuts it off (and says so) and the run resumes with the problems not yet recorded. A corrupt
+line anywhere else is an error, never silently merged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import yaml
+
+from kvflow.errors import ConfigProblem, UserError
+
+SAMPLES = "samples.jsonl"
+METRICS = "metrics.json"
+MANIFEST = "manifest.json"
+CONFIG = "config.resolved.yaml"
+
+
+class ResultsDir:
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.samples = self.path / SAMPLES
+
+    def reset(self) -> None:
+        if self.path.exists():
+            shutil.rmtree(self.path)
+
+    def prepare(self, resolved: dict, manifest: dict) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        _atomic_write(self.path / CONFIG, yaml.safe_dump(resolved, sort_keys=False, allow_unicode=True))
+        _atomic_write(self.path / MANIFEST, json.dumps(manifest, indent=2))
+
+    def update_manifest(self, **fields: Any) -> None:
+        path = self.path / MANIFEST
+        manifest = json.loads(path.read_text()) if path.exists() else {}
+        manifest.update(fields)
+        _atomic_write(path, json.dumps(manifest, indent=2))
+
+    def load(self) -> list[dict]:
+        """Records written so far; a torn last line (killed mid-write) is cut off."""
+        if not self.samples.exists():
+            return []
+        data = self.samples.read_bytes()
+        records, good_end, lines = [], 0, data.split(b"\n")
+        for i, line in enumerate(lines):
+            last = i == len(lines) - 1
+            if not line.strip():
+                if not last:
+                    good_end += len(line) + 1
+                continue
+            try:
+                rec = json.loads(line)
+                if not isinstance(rec, dict) or "id" not in rec:
+                    raise ValueError("not a sample record")
+            except ValueError as exc:
+                if last:  # torn tail: the process died while writing it
+                    print(f"kvflow: {self.samples}: cutting off an incomplete last line ({len(line)} bytes)",
+                          file=sys.stderr)
+                    with open(self.samples, "r+b") as f:
+                        f.truncate(good_end)
+                    break
+                raise UserError([ConfigProblem(str(self.samples), i + 1, "samples", f"corrupt record: {exc}",
+                                               "remove or fix the line, or rerun with --force")]) from None
+            if last:  # complete JSON without its newline: keep it, finish the line
+                with open(self.samples, "ab") as f:
+                    f.write(b"\n")
+            else:
+                good_end += len(line) + 1
+            records.append(rec)
+        ids = [r["id"] for r in records]
+        dupes = [k for k, v in Counter(ids).items() if v > 1]
+        if dupes:
+            raise UserError([ConfigProblem(str(self.samples), 0, "samples", f"duplicate records for {dupes[:5]}",
+                                           "rerun with --force")])
+        return records
+
+    def append(self, record: dict) -> None:
+        line = json.dumps(record, ensure_ascii=False) + "\n"
+        with open(self.samples, "a", encoding="utf-8") as f:
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def write_metrics(self, metrics: dict) -> None:
+        _atomic_write(self.path / METRICS, json.dumps(metrics, indent=2))
+
+    def metrics(self) -> Optional[dict]:
+        path = self.path / METRICS
+        return json.loads(path.read_text()) if path.exists() else None
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def compute_metrics(records: Iterable[dict], proposers: list[str], pruner_owners: dict[str, list[str]]) -> dict:
+    """Aggregate metrics (DESIGN.md §8). `pruner_owners[pruner]` = proposers it watches."""
+    records = list(records)
+    n = len(records)
+    if n == 0:
+        return {"n_problems": 0}
+
+    def mean(values):
+        values = list(values)
+        return sum(values) / len(values) if values else 0.0
+
+    steps_by_source = Counter()
+    for r in records:
+        steps_by_source.update(r["step_counts"])
+    total_steps = sum(steps_by_source.values())
+    candidates = Counter()
+    for r in records:
+        candidates.update(r["candidates"])
+    pruned = Counter()
+    for r in records:
+        pruned.update(r["pruned"])
+    pruned_fraction = {}
+    for name, owners in pruner_owners.items():
+        denom = sum(candidates[o] for o in owners)
+        pruned_fraction[name] = pruned[name] / denom if denom else 0.0
+    base = proposers[0]
+    base_pruned = sum(pruned[name] for name, owners in pruner_owners.items() if base in owners)
+    return {
+        "n_problems": n,
+        "accuracy": mean(r["correct"] for r in records),
+        "n_correct": sum(bool(r["correct"]) for r in records),
+        "mean_steps": mean(len(r["steps"]) for r in records),
+        "mean_output_tokens": mean(r["output_tokens"] for r in records),
+        "tokens_generated": {p: mean(r["tokens_generated"].get(p, 0) for r in records) for p in proposers},
+        "step_share": {p: (steps_by_source[p] / total_steps if total_steps else 0.0) for p in proposers},
+        "pruned_fraction": pruned_fraction,
+        "early_exit_fraction": base_pruned / candidates[base] if candidates[base] else 0.0,
+        "degeneration_rate": mean(r["degenerate"] for r in records),
+        "finish": dict(Counter(r["finish"] for r in records)),
+        "fallback_steps": sum(sum(1 for s in r["steps"] if s.get("fallback")) for r in records),
+        "mean_seconds": mean(r["seconds"] for r in records),
+    }

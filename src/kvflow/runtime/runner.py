@@ -1,0 +1,176 @@
+"""`kvflow run`: a validated pipeline over its dataset, into a results directory.
+
+Order of work: check that every model is obtainable (nothing loaded yet), open or resume
+the results directory, load models once, decode problems in batches with the step loop,
+grade and append each finished problem at once, then write metrics and print a summary.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import kvflow
+from kvflow.config.validate import LoadedPipeline
+from kvflow.errors import UserError
+from kvflow.runtime import compile as compile_
+from kvflow.runtime.results import ResultsDir, compute_metrics
+from kvflow.runtime.summary import print_summary
+
+
+def results_path(loaded: LoadedPipeline) -> Path:
+    return Path(loaded.pipeline.run.output) / f"{loaded.pipeline.name}__{loaded.hash}"
+
+
+def load_dataset(loaded: LoadedPipeline):
+    from kvflow.eval.datasets import DatasetError, load_problems
+
+    ds = loaded.pipeline.dataset
+    try:
+        return load_problems(ds.name, limit=ds.limit, offset=ds.offset, shuffle=ds.shuffle, seed=loaded.pipeline.run.seed)
+    except (DatasetError, ValueError) as exc:
+        raise UserError(loaded.problem("dataset.name", str(exc))) from None
+
+
+def run_pipeline(loaded: LoadedPipeline, *, force: bool = False, registry=None, quiet: bool = False) -> int:
+    from kvflow.registry import get_registry
+
+    registry = registry or get_registry()
+    pipe = loaded.pipeline
+    compile_.check_models(loaded)
+    problems = load_dataset(loaded)
+    store = ResultsDir(results_path(loaded))
+    owners = compile_.pruner_owners(loaded)
+    proposers = list(pipe.proposers)
+    if force:
+        store.reset()
+    done = store.load()
+    if len(done) >= len(problems) and store.metrics() is not None:
+        _say(quiet, f"already complete: {store.path} (use --force to rerun)")
+        if not quiet:
+            print_summary(pipe.name, store.metrics(), store.path, proposers)
+        return 0
+    done_ids = {r["id"] for r in done}
+    todo = [p for p in problems if p.id not in done_ids]
+    if done:
+        _say(quiet, f"resuming {store.path}: {len(done)} done, {len(todo)} to go")
+    store.prepare(loaded.resolved, _manifest(loaded, registry))
+    if todo:
+        _decode(loaded, registry, store, todo, quiet)
+    records = store.load()
+    metrics = compute_metrics(records, proposers, owners)
+    store.write_metrics(metrics)
+    store.update_manifest(finished=_now())
+    if not quiet:
+        print_summary(pipe.name, metrics, store.path, proposers)
+    return 0
+
+
+def _decode(loaded: LoadedPipeline, registry, store: ResultsDir, todo, quiet: bool) -> None:
+    import torch
+
+    from kvflow.components.base import Trajectory
+    from kvflow.eval.answer import extract_answer
+    from kvflow.eval.grading import Grader
+    from kvflow.eval.prompts import render_prompt
+    from kvflow.runtime.loop import run_batch
+    from kvflow.runtime.progress import Progress
+
+    pipe = loaded.pipeline
+    torch.manual_seed(pipe.run.seed)
+    plan, runners = compile_.build_plan(loaded, registry, on_load=lambda key: _say(
+        quiet, f"loading models.{key}: {pipe.models[key].id}"))
+    base_runner = plan.proposers[0].runner
+    store.update_manifest(device=str(base_runner.device))
+    by_id = {p.id: p for p in todo}
+    with Grader(timeout=pipe.run.grade_timeout) as grader, Progress(len(todo), enabled=not quiet) as progress:
+        started: dict[str, float] = {}
+
+        def on_done(traj: Trajectory) -> None:
+            problem = by_id[traj.problem_id]
+            prediction = extract_answer(traj.text)
+            correct = bool(prediction is not None and grader.grade(prediction, problem.gold))
+            store.append(_record(traj, problem, prediction, correct, time.time() - started[traj.problem_id], plan))
+            progress.advance(correct)
+
+        size = pipe.run.batch_problems
+        for start in range(0, len(todo), size):
+            batch = todo[start : start + size]
+            trajs = []
+            for p in batch:
+                prompt = render_prompt(pipe.dataset.prompt, p.question, base_runner.tokenizer)
+                trajs.append(Trajectory(p.id, p.question, prompt))
+                started[p.id] = time.time()
+            run_batch(plan, trajs, on_done)
+
+
+def _record(traj, problem, prediction, correct: bool, seconds: float, plan) -> dict:
+    step_counts = {p.name: 0 for p in plan.proposers}
+    for s in traj.steps:
+        step_counts[s.source] = step_counts.get(s.source, 0) + 1
+    capped = traj.finish in ("cap_steps", "cap_tokens")
+    return {
+        "id": problem.id,
+        "question": problem.question,
+        "prompt": traj.prompt,
+        "gold": problem.gold,
+        "prediction": prediction,
+        "correct": correct,
+        "output": traj.text,
+        "steps": [{"text": s.text, "source": s.source, "score": s.score, "n_tokens": s.n_tokens,
+                   **({"fallback": True} if s.fallback else {})} for s in traj.steps],
+        "step_counts": step_counts,
+        "output_tokens": traj.committed_tokens,
+        "tokens_generated": dict(traj.tokens_generated),
+        "candidates": dict(traj.candidates),
+        "pruned": dict(traj.pruned),
+        "finish": traj.finish,
+        "degenerate": bool(capped and not correct),
+        "seconds": round(seconds, 3),
+        **({"signals": traj.signals} if traj.signals else {}),
+    }
+
+
+def _manifest(loaded: LoadedPipeline, registry) -> dict:
+    versions = {"kvflow": kvflow.__version__, "python": platform.python_version()}
+    for mod in ("torch", "transformers", "sglang"):
+        try:
+            versions[mod] = __import__("importlib.metadata").metadata.version(mod)
+        except Exception:
+            versions[mod] = None
+    return {
+        "name": loaded.pipeline.name,
+        "config_hash": loaded.hash,
+        "pipeline_file": str(loaded.path),
+        "seed": loaded.pipeline.run.seed,
+        "dataset": loaded.pipeline.dataset.model_dump(),
+        "versions": versions,
+        "plugins": [{"name": p.name, "distribution": p.distribution, "version": p.version, "status": p.status}
+                    for p in registry.plugins()],
+        "git_commit": _git_commit(),
+        "host": platform.node(),
+        "started": _now(),
+        "command": sys.argv,
+    }
+
+
+def _git_commit() -> Optional[str]:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or None
+    except Exception:
+        return None
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _say(quiet: bool, message: str) -> None:
+    if not quiet:
+        print(f"kvflow: {message}", file=sys.stderr)

@@ -1,0 +1,83 @@
+"""Shared test fixtures: fixture paths, a YAML-writing helper, a CLI runner, and fake plugin
+distributions (a dist-info with an entry_points.txt) for subprocess tests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = Path(__file__).resolve().parent / "data"
+VALID = DATA / "pipelines" / "valid.yaml"
+
+
+@pytest.fixture
+def write(tmp_path):
+    """write("name.yaml", text) -> path of a dedented file under tmp_path."""
+
+    def _write(name: str, text: str) -> Path:
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text).lstrip("\n"))
+        return path
+
+    return _write
+
+
+@pytest.fixture
+def cli():
+    """cli("validate", "x.yaml") -> click Result (exit_code, stdout, stderr), in-process."""
+    from typer.testing import CliRunner
+
+    from kvflow.cli import app
+
+    runner = CliRunner()
+    return lambda *args, **kw: runner.invoke(app, [str(a) for a in args], **kw)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_registry():
+    """Tests that install their own process-wide registry must not leak it."""
+    yield
+    from kvflow.registry import set_registry
+
+    set_registry(None)
+
+
+def make_dist(root: Path, dist: str, entry_points: dict[str, str], modules: dict[str, str]) -> Path:
+    """A minimal installed distribution under `root` (put `root` on PYTHONPATH): modules as
+    top-level .py files and a <dist>-0.1.dist-info with entry points in the `kvflow` group."""
+    root.mkdir(parents=True, exist_ok=True)
+    for name, source in modules.items():
+        (root / f"{name}.py").write_text(textwrap.dedent(source))
+    info = root / f"{dist.replace('-', '_')}-0.1.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n")
+    eps = "".join(f"{k} = {v}\n" for k, v in entry_points.items())
+    (info / "entry_points.txt").write_text(f"[kvflow]\n{eps}")
+    return root
+
+
+def run_kvflow(*args: str, pythonpath: Path | None = None, env: dict | None = None, cwd: Path | None = None,
+               check_no_torch: bool = False) -> subprocess.CompletedProcess:
+    """Run the CLI's main() in a fresh interpreter. With check_no_torch, the interpreter then
+    exits 99 if torch or transformers got imported."""
+    code = (
+        "import sys\nfrom kvflow.cli import main\nsys.argv = ['kvflow'] + sys.argv[1:]\n"
+        "try:\n    main()\nexcept SystemExit as e:\n    rc = e.code or 0\nelse:\n    rc = 0\n"
+    )
+    if check_no_torch:
+        code += "heavy = [m for m in ('torch', 'transformers') if m in sys.modules]\n" \
+                "if heavy:\n    print('HEAVY IMPORTS:', heavy, file=sys.stderr); rc = 99\n"
+    code += "sys.exit(rc)\n"
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVFLOW_")}
+    if pythonpath is not None:
+        full_env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), full_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          env=full_env, cwd=cwd or REPO, timeout=120)
