@@ -80,3 +80,45 @@ def test_two_proposers_sync_and_helper_commit_ingested_by_base():
     # determinism under the seed
     trajs2, _ = run(make_plan([base, helper], max_tokens=60, seed=3), prompts())
     assert [t.text for t in trajs] == [t.text for t in trajs2]
+
+
+class _PruneEverything:
+    """A pruner that stops every candidate after its first token."""
+
+    def signal(self, trace):
+        return torch.ones(len(trace.texts))
+
+    def check(self, trace):
+        return torch.ones(len(trace.texts), dtype=torch.bool)
+
+
+def test_all_candidates_pruned_fallback_commits_best_pruned_candidate():
+    runner = tiny_runner("qwen2")
+    base = Proposer("base", runner, NoEviction(NoEviction.Params()),
+                    spec("base", n=3, temperature=1.0, pruners=[("always", _PruneEverything())]))
+    trajs, done = run(make_plan([base], max_tokens=10, on_all_pruned="fallback"), prompts())
+    for t in trajs:
+        # every step but possibly the last (EOS or the token cap end a candidate before pruning)
+        assert len(t.steps) >= 5 and all(s.fallback and s.n_tokens == 1 for s in t.steps[:-1])
+        assert t.pruned["always"] >= 3 * (len(t.steps) - 1)
+        assert t.finish in ("cap_tokens", "eos")
+
+
+def test_all_candidates_pruned_stop_ends_the_trajectory():
+    runner = tiny_runner("qwen2")
+    base = Proposer("base", runner, NoEviction(NoEviction.Params()),
+                    spec("base", n=2, temperature=1.0, pruners=[("always", _PruneEverything())]))
+    trajs, done = run(make_plan([base], max_tokens=10, on_all_pruned="stop"), prompts())
+    assert len(done) == 2
+    for t in trajs:
+        assert t.finish == "pruned" and t.steps == []
+
+
+def test_helper_rescues_when_base_candidates_are_pruned():
+    base = Proposer("base", tiny_runner("qwen2"), NoEviction(NoEviction.Params()),
+                    spec("base", n=2, temperature=1.0, pruners=[("always", _PruneEverything())]))
+    helper = Proposer("helper", tiny_runner("llama"), NoEviction(NoEviction.Params()),
+                      spec("helper", n=1, temperature=1.0, max_step_tokens=8))
+    trajs, _ = run(make_plan([base, helper], max_tokens=24), prompts())
+    for t in trajs:
+        assert t.steps and all(s.source == "helper" and not s.fallback for s in t.steps)

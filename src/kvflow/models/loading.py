@@ -172,7 +172,7 @@ def _save_converted(model: Any, tokenizer: Any, target: Path, stamp: dict) -> No
             del config.quantization_config
         config.save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
-        save_model(model, str(tmp / "model.safetensors"))  # drops the tied lm_head duplicate
+        save_model(model, str(tmp / "model.safetensors"))  # a tied lm_head is stored once
         tokenizer.save_pretrained(tmp)
         (tmp / _STAMP).write_text(json.dumps(stamp) + "\n")  # last: marks the copy complete
         for f in tmp.iterdir():  # mkdtemp/safetensors make them private; a shared cache must be readable
