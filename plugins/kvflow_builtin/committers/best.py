@@ -2,7 +2,9 @@
 
 Ties go to the proposer listed first in the pipeline (the base), then to the lower candidate
 index, so a deterministic scorer gives a deterministic trajectory. Candidates without a
-score (their proposer is not scored by the scorer) rank below every scored one.
+score (None: their proposer is not scored by the scorer; or nan) rank below every scored
+one (even a score of -inf); among unscored candidates the same tie rule applies. `margin` is the variant that asks
+a helper step to beat the base by a margin.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ class BestCommitter(Committer):
     def pick(self, candidates):
         def key(i: int):
             c = candidates[i]
-            score = c.score if c.score is not None and not math.isnan(c.score) else -math.inf
-            return (-score, self.proposers.index(c.source), c.index)
+            scored = c.score is not None and not math.isnan(c.score)
+            return (not scored, -c.score if scored else 0.0, self.proposers.index(c.source), c.index)
 
         return min(range(len(candidates)), key=key)

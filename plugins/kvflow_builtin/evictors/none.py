@@ -23,5 +23,5 @@ class NoEviction(Evictor):
     def trigger(self) -> int:
         return 2**62
 
-    def score(self, keys, values, queries, *, layer_idx, lengths, generators):  # pragma: no cover
+    def score(self, keys, values, queries, *, layer_idx, lengths, generators, **kwargs):  # pragma: no cover
         raise RuntimeError("NoEviction never compacts")

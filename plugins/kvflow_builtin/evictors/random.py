@@ -34,7 +34,7 @@ class RandomEvictor(Evictor):
 
     Params = RandomParams
 
-    def score(self, keys, values, queries, *, layer_idx, lengths, generators):
+    def score(self, keys, values, queries, *, layer_idx, lengths, generators, **kwargs):
         rows, kv_heads, n, _ = keys.shape
         scores = torch.zeros(rows, kv_heads, n, dtype=torch.float32)
         for r, (length, gen) in enumerate(zip(lengths.tolist(), generators)):

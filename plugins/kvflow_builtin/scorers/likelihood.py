@@ -13,14 +13,14 @@ from typing import Optional
 
 from pydantic import Field
 
-from kvflow.components.base import Scorer, ScorerParams
+from kvflow_builtin.scorers._steps import StepScorer, StepScorerParams
 
 
-class LikelihoodParams(ScorerParams):
+class LikelihoodParams(StepScorerParams):
     model: Optional[str] = Field(None, description="Key of `models` to score with (full context); None = own logprobs.")
 
 
-class LikelihoodScorer(Scorer):
+class LikelihoodScorer(StepScorer):
     """Mean token log-probability of the step, under `model` with full context."""
 
     Params = LikelihoodParams

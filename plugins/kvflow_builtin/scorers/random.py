@@ -9,10 +9,10 @@ from __future__ import annotations
 import hashlib
 import random
 
-from kvflow.components.base import Scorer
+from kvflow_builtin.scorers._steps import StepScorer
 
 
-class RandomScorer(Scorer):
+class RandomScorer(StepScorer):
     """Uniform(0, 1) score per candidate, seeded by (run seed, problem, step, candidate)."""
 
     def score(self, requests):

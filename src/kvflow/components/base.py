@@ -14,9 +14,9 @@ fast; tensors are only touched inside methods that run during `kvflow run`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Optional, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvflow._lazy import torch
 
@@ -118,6 +118,13 @@ class EvictorParams(Params):
     window: int = Field(8, ge=0, description="Most recent tokens always kept (inside the budget).")
     protect_prompt: bool = Field(False, description="Keep the prompt (inside the budget, leaving at least one free slot).")
 
+    @model_validator(mode="after")
+    def _window_inside_budget(self):
+        if self.budget and self.window >= self.budget:
+            raise ValueError(f"window ({self.window}) must be smaller than budget ({self.budget}): the recent "
+                             "window is kept inside the budget")
+        return self
+
 
 class Evictor:
     """Base class of KV eviction methods.
@@ -125,11 +132,26 @@ class Evictor:
     Subclasses implement `score()`; the base class adds the parts every method shares
     (METHODS.md §0): the recent `window` and the protected prompt are always kept, padding
     slots never are, exactly `budget` tokens survive per (row, KV head), in time order.
+
+    Two optional inputs, both kept per layer by the cache and asked for by class attributes:
+
+    - `query_window` > 0: the last W post-RoPE queries of each row ([rows, q_heads, W,
+      head_dim]), for methods that score with recent attention (SnapKV, R-KV, VaSE);
+    - `observes_attention = True`: a per-token statistic `stats` [rows, kv_heads, capacity]
+      float32 that `observe()` updates at every forward with the attention the new queries
+      pay to the cached keys (H2O's accumulated attention). The cache gathers it with the
+      kept slots at every compaction and copies it with rows when they are forked or joined.
+      Caches of evictors that do not ask for it never compute any attention weights.
+
+    `score()` is called with keyword arguments; implementations should accept `**kwargs` so
+    that later kvflow versions can pass more context without breaking them.
     """
 
     Params: ClassVar[type[EvictorParams]] = EvictorParams
     #: False only for `none`: the cache then grows instead of compacting.
     bounded: ClassVar[bool] = True
+    #: True for methods that need `observe()` at every forward (see the class docstring).
+    observes_attention: ClassVar[bool] = False
 
     def __init__(self, params: EvictorParams) -> None:
         self.params = params
@@ -150,6 +172,28 @@ class Evictor:
             return 0
         return max(0, min(prompt_len, self.params.budget - self.params.window - 1))
 
+    def observe(
+        self,
+        stats: "_torch.Tensor",
+        query: "_torch.Tensor",
+        keys: "_torch.Tensor",
+        mask: "_torch.Tensor",
+        *,
+        layer_idx: int,
+        scaling: float,
+    ) -> None:
+        """Update the per-token statistic after a forward wrote its keys (only called when
+        `observes_attention` is True). Runs on the hot path: tensor ops only, no host syncs.
+
+        stats: [rows, kv_heads, span] float32, a view into the cache's storage: update in place
+        query: [rows, q_heads, T, head_dim] the forward's post-RoPE queries (right padded)
+        keys:  [rows, kv_heads, span, head_dim] cached keys, the new ones included
+        mask:  [rows, T, span] bool, True where query t of the row may attend to the slot
+               (padding queries have an all-False row)
+        scaling: the model's softmax scale (usually 1/sqrt(head_dim))
+        """
+        raise NotImplementedError
+
     def score(
         self,
         keys: "_torch.Tensor",
@@ -158,15 +202,24 @@ class Evictor:
         *,
         layer_idx: int,
         lengths: "_torch.Tensor",
+        n_protected: "_torch.Tensor",
         generators: Sequence["_torch.Generator"],
+        stats: Optional["_torch.Tensor"] = None,
+        **kwargs: Any,
     ) -> "_torch.Tensor":
         """Importance of every cached token; higher is kept.
 
         keys, values: [rows, kv_heads, N, head_dim], keys after RoPE; slots >= lengths[row] are padding
-        queries:      [rows, q_heads, W, head_dim] last W post-RoPE queries (None if query_window == 0)
+        queries:      [rows, q_heads, W, head_dim] last W post-RoPE queries, oldest first, the
+                      newest being the query of the row's newest cached token (None if
+                      query_window == 0). A row has always seen at least `trigger` >= W tokens.
         lengths:      [rows] int64 resident tokens per row
-        generators:   one seeded torch.Generator per row, for stochastic methods
-        returns:      [rows, kv_heads, N] float32
+        n_protected:  [rows] int64 leading slots the base class keeps anyway
+        generators:   one seeded torch.Generator per row, for stochastic methods; a row must
+                      draw the same numbers alone as in any batch (draw over its own length)
+        stats:        [rows, kv_heads, N] float32 per-token statistic (observes_attention only)
+        returns:      [rows, kv_heads, N] float32. Slots the base class forces (window, protected
+                      prompt, padding) may hold anything but NaN.
         """
         raise NotImplementedError
 
@@ -180,11 +233,14 @@ class Evictor:
         lengths: "_torch.Tensor",
         n_protected: "_torch.Tensor",
         generators: Sequence["_torch.Generator"],
+        stats: Optional["_torch.Tensor"] = None,
     ) -> "_torch.Tensor":
         """Slots to keep: [rows, kv_heads, budget] int64, ascending (time order)."""
         rows, kv_heads, n, _ = keys.shape
         budget = self.params.budget
-        scores = self.score(keys, values, queries, layer_idx=layer_idx, lengths=lengths, generators=generators)
+        extra = {"stats": stats} if self.observes_attention else {}
+        scores = self.score(keys, values, queries, layer_idx=layer_idx, lengths=lengths, n_protected=n_protected,
+                            generators=generators, **extra)
         scores = scores.float().clone()
         slot = torch.arange(n, device=keys.device)[None, :]  # [1, N]
         length = lengths.to(keys.device)[:, None]  # [rows, 1]
@@ -237,13 +293,16 @@ class ScorerContext:
     """What a scorer may use at run time.
 
     load_session(model_key) returns a backend scoring session for `models.<model_key>`
-    (full context); proposers lists the pipeline's proposer names in order; seed is the run seed.
+    (full context); proposers lists the pipeline's proposer names in order; seed is the run seed;
+    models maps each `models` key to its ModelConfig, for scorers that load a checkpoint their
+    own way (a PRM with a classification head is not a causal LM).
     """
 
     load_session: Callable[[str], Any]
     proposers: Sequence[str]
     seed: int
     delimiter: str = "\n\n"
+    models: Mapping[str, Any] = field(default_factory=dict)
 
 
 class Scorer:

@@ -10,8 +10,9 @@ Rules enforced while loading (every violation is collected, then one `UserError`
 - duplicate keys in a mapping are errors naming both lines;
 - ``include: other.yaml`` (or a list of files), relative to the including file or absolute:
   the included files are loaded first (in order), then the including file is deep-merged
-  on top (mappings merge recursively, lists and scalars are replaced, and a mapping whose
-  `kind` changes is replaced too); cycles are errors listing the chain.
+  on top (mappings merge recursively, lists and scalars are replaced, a mapping whose
+  `kind` changes is replaced too, and a null value deletes the key it names, e.g.
+  ``proposers: {helper: null}``); cycles are errors listing the chain.
 """
 
 from __future__ import annotations
@@ -257,11 +258,17 @@ def _same_component(base: dict, over: dict) -> bool:
 def deep_merge(base: Any, over: Any) -> Any:
     """`over` on top of `base`: mappings merge recursively; lists and scalars are replaced.
     A component entry whose `kind` changes is replaced, not merged: the old component's
-    parameters mean nothing to the new one (``scorer: {kind: random}`` over a PRM scorer)."""
+    parameters mean nothing to the new one (``scorer: {kind: random}`` over a PRM scorer).
+    A key whose value in `over` is null deletes that key of `base` (``proposers: {helper:
+    null}`` removes the helper), so the field falls back to its default; for the optional
+    fields that default to null this is the same as setting null."""
     if isinstance(base, dict) and isinstance(over, dict) and _same_component(base, over):
         out = dict(base)
         for k, v in over.items():
-            out[k] = deep_merge(base[k], v) if k in base else v
+            if v is None:
+                out.pop(k, None)
+            else:
+                out[k] = deep_merge(base[k], v) if k in base else v
         return out
     return over
 

@@ -74,6 +74,11 @@ class LimitsConfig(Frozen):
     )
 
 
+class BaselinesConfig(Frozen):
+    full: str = Field(..., description="Results directory of the full-KV baseline run (acc_full).")
+    evicted: str = Field(..., description="Results directory of the evicted baseline run (acc_evicted).")
+
+
 class RunConfig(Frozen):
     seed: int = 0
     batch_problems: int = Field(16, ge=1, description="Problems decoded together.")
@@ -81,6 +86,8 @@ class RunConfig(Frozen):
     delimiter: str = Field("\n\n", min_length=1, description="Step delimiter.")
     grade_timeout: float = Field(10.0, gt=0, description="Seconds before a grading call counts as wrong.")
     record_signals: bool = Field(False, description="Record every candidate's per-token pruner signals in samples.jsonl (for `kvflow calibrate`).")
+    baselines: Optional[BaselinesConfig] = Field(
+        None, description="Results directories whose metrics.json give recovery = (acc - acc_evicted) / (acc_full - acc_evicted).")
 
 
 class Pipeline(Frozen):

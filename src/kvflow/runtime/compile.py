@@ -72,7 +72,7 @@ def build_plan(loaded: LoadedPipeline, registry, on_load: Callable[[str], None] 
         proposers.append(Proposer(name, runner_for(cfg.model), comps.evictor.cls(comps.evictor.params), spec))
     context = ScorerContext(
         load_session=lambda key: ScoringSession(runner_for(key), full_kv_cls(full_kv_cls.Params())),
-        proposers=list(pipe.proposers), seed=pipe.run.seed, delimiter=pipe.run.delimiter,
+        proposers=list(pipe.proposers), seed=pipe.run.seed, delimiter=pipe.run.delimiter, models=dict(pipe.models),
     )
     scorer = loaded.components.scorer.cls(loaded.components.scorer.params, context)
     committer = loaded.components.committer.cls(loaded.components.committer.params, list(pipe.proposers))

@@ -112,8 +112,17 @@ def _atomic_write(path: Path, text: str) -> None:
 # --------------------------------------------------------------------------- metrics
 
 
-def compute_metrics(records: Iterable[dict], proposers: list[str], pruner_owners: dict[str, list[str]]) -> dict:
-    """Aggregate metrics (DESIGN.md §8). `pruner_owners[pruner]` = proposers it watches."""
+def compute_metrics(records: Iterable[dict], proposers: list[str], pruner_owners: dict[str, list[str]],
+                    baselines: Any = None) -> dict:
+    """Aggregate metrics (DESIGN.md §8). `pruner_owners[pruner]` = proposers it watches.
+
+    The paper's table columns: `accuracy`, `degeneration_rate`, `mean_base_tokens` (tokens the
+    base generated per problem, pruned candidates included), `mean_steps` (committed steps),
+    `mean_output_tokens`, `early_exit_fraction` (base candidates stopped by a pruner) and
+    `step_share` (committed steps by source). With `baselines` (``run.baselines``: results
+    directories `full` and `evicted`), `recovery` = (acc - acc_evicted) / (acc_full -
+    acc_evicted), None when a baseline has no metrics.json yet or the two are equally accurate.
+    """
     records = list(records)
     n = len(records)
     if n == 0:
@@ -139,13 +148,16 @@ def compute_metrics(records: Iterable[dict], proposers: list[str], pruner_owners
         pruned_fraction[name] = pruned[name] / denom if denom else 0.0
     base = proposers[0]
     base_pruned = sum(pruned[name] for name, owners in pruner_owners.items() if base in owners)
-    return {
+    accuracy = mean(r["correct"] for r in records)
+    tokens_generated = {p: mean(r["tokens_generated"].get(p, 0) for r in records) for p in proposers}
+    out = {
         "n_problems": n,
-        "accuracy": mean(r["correct"] for r in records),
+        "accuracy": accuracy,
         "n_correct": sum(bool(r["correct"]) for r in records),
         "mean_steps": mean(len(r["steps"]) for r in records),
         "mean_output_tokens": mean(r["output_tokens"] for r in records),
-        "tokens_generated": {p: mean(r["tokens_generated"].get(p, 0) for r in records) for p in proposers},
+        "mean_base_tokens": tokens_generated[base],
+        "tokens_generated": tokens_generated,
         "step_share": {p: (steps_by_source[p] / total_steps if total_steps else 0.0) for p in proposers},
         "pruned_fraction": pruned_fraction,
         "early_exit_fraction": base_pruned / candidates[base] if candidates[base] else 0.0,
@@ -154,3 +166,36 @@ def compute_metrics(records: Iterable[dict], proposers: list[str], pruner_owners
         "fallback_steps": sum(sum(1 for s in r["steps"] if s.get("fallback")) for r in records),
         "mean_seconds": mean(r["seconds"] for r in records),
     }
+    if baselines is not None:
+        out.update(recovery_metrics(accuracy, baselines))
+    return out
+
+
+def recovery_metrics(accuracy: float, baselines: Any) -> dict:
+    """`recovery` and the baselines' accuracies, read from their metrics.json files.
+
+    `baselines` has attributes or keys `full` and `evicted`: results directories, relative to
+    the working directory; a glob pattern (``results/full_kv__*``) picks the matching directory
+    whose metrics.json is newest."""
+    get = (lambda k: baselines[k]) if isinstance(baselines, dict) else (lambda k: getattr(baselines, k))
+    accs: dict[str, Optional[float]] = {}
+    dirs: dict[str, str] = {}
+    for key in ("full", "evicted"):
+        path = _baseline_dir(str(get(key)))
+        dirs[key] = str(path)
+        m = ResultsDir(path).metrics()
+        accs[key] = m.get("accuracy") if m else None
+    full, evicted = accs["full"], accs["evicted"]
+    recovery = None
+    if full is not None and evicted is not None and full != evicted:
+        recovery = (accuracy - evicted) / (full - evicted)
+    return {"recovery": recovery, "baselines": {k: {"dir": dirs[k], "accuracy": accs[k]} for k in accs}}
+
+
+def _baseline_dir(text: str) -> Path:
+    if not any(ch in text for ch in "*?["):
+        return Path(text)
+    import glob
+
+    found = [Path(p) for p in glob.glob(text) if (Path(p) / METRICS).is_file()]
+    return max(found, key=lambda p: (p / METRICS).stat().st_mtime) if found else Path(text)

@@ -63,7 +63,7 @@ def run_pipeline(loaded: LoadedPipeline, *, force: bool = False, registry=None, 
     if todo:
         _decode(loaded, registry, store, todo, quiet)
     records = store.load()
-    metrics = compute_metrics(records, proposers, owners)
+    metrics = compute_metrics(records, proposers, owners, baselines=pipe.run.baselines)
     store.write_metrics(metrics)
     store.update_manifest(finished=_now())
     if not quiet:

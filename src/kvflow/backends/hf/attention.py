@@ -2,7 +2,9 @@
 
 It is sdpa with two differences: the mask comes from the `BudgetedCache` write plan (per-row
 valid lengths, right padding) instead of transformers' mask builders, and the post-RoPE
-queries are handed to the cache, which keeps the last W for attention-based evictors.
+queries are handed to the cache, which keeps the last W for attention-based evictors and,
+for evictors that observe attention (H2O), lets them update a per-token statistic. Caches of
+other evictors do no extra work here.
 Because "kvflow" is not registered as a mask function, transformers passes our 4D mask
 (or None) through untouched.
 """
@@ -21,8 +23,14 @@ NAME = "kvflow"
 
 def kvflow_attention(module, query, key, value, attention_mask, **kwargs):
     cache = kwargs.pop("kvflow_cache", None)
-    if cache is not None and cache.query_window:
-        cache.layers[module.layer_idx].record_queries(query)
+    if cache is not None:
+        if cache.query_window:
+            cache.layers[module.layer_idx].record_queries(query)
+        if cache.observes:  # e.g. H2O: the attention every cached key receives from the new queries
+            scaling = kwargs.get("scaling")
+            if scaling is None:
+                scaling = getattr(module, "scaling", None) or query.shape[-1] ** -0.5
+            cache.layers[module.layer_idx].observe(query, key, scaling, module.layer_idx)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 

@@ -1,16 +1,20 @@
-"""Full-context scoring on the `hf` backend: per-token log-probabilities of candidate steps
-given the problem's committed trajectory.
+"""Full-context scoring on the `hf` backend.
 
-A `ScoringSession` keeps one full-KV cache row per problem, holding the prompt and every
-committed step (synced lazily from the trajectory text), so a round of scoring only runs
-the candidates' own tokens. Used by the `likelihood` scorer; judge and PRM scorers build on
-the same session.
+- `ScoringSession` gives per-token log-probabilities of candidate steps given the problem's
+  committed trajectory. It keeps one full-KV cache row per problem, holding the prompt and
+  every committed step (synced lazily from the trajectory text), so a round of scoring only
+  runs the candidates' own tokens. Used by the `likelihood` scorer.
+- `PositionForward` runs whole sequences (one per request: PRM input or judge prompt) through
+  a model body, batched with right padding in length-sorted chunks of bounded size, and
+  applies a small head at chosen positions only (step tags, the judge's answer slot). Used
+  by the `prm` and `llm_judge` scorers: their inputs are re-rendered texts, not continuations
+  of the trajectory, so there is no cache to reuse.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -69,3 +73,57 @@ class ScoringSession:
     def release(self, problem_ids: Sequence[str]) -> None:
         for pid in problem_ids:
             self._states.pop(pid, None)
+
+
+class PositionForward:
+    """Batched full forwards that return `head(hidden)` at chosen positions only.
+
+    body:  a transformers decoder stack (e.g. `Qwen2Model`, `HFRunner.body`), called with
+           right-padded `input_ids` and a 2D `attention_mask` (plain causal attention).
+    head:  maps final hidden states [k, hidden] to [k, C] logits (a PRM's class head, or the
+           LM head restricted to a few label tokens).
+    batch_tokens: most padded tokens per forward (rows x longest row); a sequence longer than
+           that runs alone.
+    """
+
+    def __init__(self, body: torch.nn.Module, head: Callable[[torch.Tensor], torch.Tensor], *,
+                 pad_id: int = 0, batch_tokens: int = 16384) -> None:
+        self.body = body
+        self.head = head
+        self.pad_id = pad_id
+        self.batch_tokens = batch_tokens
+        self.device = next(body.parameters()).device
+
+    @torch.inference_mode()
+    def __call__(self, ids: Sequence[Sequence[int]], positions: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """For every sequence i: head logits at positions[i], [len(positions[i]), C] float32 (CPU)."""
+        out: list[torch.Tensor] = [torch.empty(0)] * len(ids)
+        for chunk in self._chunks([len(x) for x in ids]):
+            width = max(len(ids[i]) for i in chunk)
+            input_ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
+            mask = torch.zeros(len(chunk), width, dtype=torch.long)
+            for r, i in enumerate(chunk):
+                input_ids[r, : len(ids[i])] = torch.as_tensor(list(ids[i]), dtype=torch.long)
+                mask[r, : len(ids[i])] = 1
+            hidden = self.body(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device),
+                               use_cache=False).last_hidden_state  # [rows, T, hidden]
+            rows = torch.cat([torch.full((len(positions[i]),), r, dtype=torch.long) for r, i in enumerate(chunk)])
+            cols = torch.cat([torch.as_tensor(list(positions[i]), dtype=torch.long) for i in chunk])
+            logits = self.head(hidden[rows.to(self.device), cols.to(self.device)]).float().cpu() if len(rows) else None
+            start = 0
+            for i in chunk:
+                k = len(positions[i])
+                out[i] = logits[start : start + k] if logits is not None else torch.empty(0, 0)
+                start += k
+        return out
+
+    def _chunks(self, lengths: Sequence[int]) -> list[list[int]]:
+        """Indices grouped longest first, each group within `batch_tokens` padded tokens."""
+        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+        chunks: list[list[int]] = []
+        for i in order:
+            if chunks and (len(chunks[-1]) + 1) * lengths[chunks[-1][0]] <= self.batch_tokens:
+                chunks[-1].append(i)
+            else:
+                chunks.append([i])
+        return chunks

@@ -1,0 +1,157 @@
+"""`prm`: a process reward model scores each candidate step in context (METHODS.md §10).
+
+Every request is rendered as the whole trajectory (committed steps + the candidate, each
+normalised by `_steps.steps_for`: whitespace and trailing delimiters stripped, empty steps
+dropped), run through the PRM in one batched forward per round (right padding, chunks of at
+most `batch_tokens` padded tokens), and read at each step's tag. The candidate's score is
+`aggregate` (last | min | prod | mean) over its trajectory's step scores; a candidate that is
+empty after normalisation adds no step, so it gets the trajectory's score without it (nan,
+i.e. unscored, when there are no steps at all).
+
+protocol `qwen25-math-prm` (Qwen/Qwen2.5-Math-PRM-7B, -72B):
+    chat messages system "Please reason step by step, and put your final answer within
+    \\boxed{}.", user = question, assistant = steps joined with `<extra_0>` plus a trailing
+    `<extra_0>`; chat template applied without a generation prompt; the model is a Qwen2 body
+    with a two-class token head; step score = softmax(head logits)[1] at each `<extra_0>`.
+    Loaded by `kvflow.backends.hf.prm` (remote code only with `trust_remote_code: true`,
+    otherwise kvflow's own rebuild); a checkpoint without a PRM head is refused. Literal
+    `<extra_0>` inside the question or a step is removed so that tags match steps.
+
+protocol `math-shepherd` (peiyi9979/math-shepherd-mistral-7b-prm and causal-LM PRMs like it):
+    text = question + " " + the steps, each followed by the tag " ки", joined with "\\n";
+    tokenized with the tokenizer's special tokens (BOS); step score = softmax over the LM
+    logits of "+" and "-" at each tag position, P("+"). The label ids are the two tokens of
+    "+ -" (the reference recipe), or else the last token of each label encoded alone. The
+    tag position is the last token holding the tag's last character (character offsets of
+    the encoding): with the Math-Shepherd tokenizer that is the single "ки" token; a tokenizer
+    without that token (e.g. byte-level BPE) splits the tag into several tokens, and its last
+    one is read — such a model has never seen the tag, so only use it for tests.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import Field
+
+from kvflow_builtin.scorers._steps import StepScorer, StepScorerParams, aggregate, steps_for
+
+QWEN_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
+QWEN_TAG = "<extra_0>"
+SHEPHERD_TAG = " ки"
+SHEPHERD_LABELS = ("+", "-")
+
+
+class PRMParams(StepScorerParams):
+    model: str = Field(..., description="Key of `models` holding the PRM checkpoint.")
+    protocol: Literal["qwen25-math-prm", "math-shepherd"] = Field(
+        "qwen25-math-prm", description="How steps are tagged and read (see the module docstring).")
+    batch_tokens: int = Field(16384, ge=1, description="Most padded tokens per PRM forward.")
+
+
+class QwenPRMFormat:
+    """Qwen2.5-Math-PRM input: chat template, `<extra_0>` after every step."""
+
+    def __init__(self, tokenizer) -> None:
+        from kvflow.errors import UserError
+
+        self.tokenizer = tokenizer
+        self.tag_id = tokenizer.convert_tokens_to_ids(QWEN_TAG)
+        if tokenizer(QWEN_TAG, add_special_tokens=False)["input_ids"] != [self.tag_id]:
+            raise UserError(f"the PRM tokenizer has no single {QWEN_TAG} token",
+                            hint="protocol qwen25-math-prm needs the Qwen2.5-Math-PRM tokenizer")
+
+    def build(self, question: str, steps: list[str]) -> tuple[list[int], list[int]]:
+        clean = lambda s: s.replace(QWEN_TAG, "")  # noqa: E731
+        messages = [
+            {"role": "system", "content": QWEN_SYSTEM},
+            {"role": "user", "content": clean(question)},
+            {"role": "assistant", "content": QWEN_TAG.join(clean(s) for s in steps) + QWEN_TAG},
+        ]
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        positions = [i for i, t in enumerate(ids) if t == self.tag_id]
+        if len(positions) != len(steps):
+            raise RuntimeError(f"found {len(positions)} {QWEN_TAG} tags for {len(steps)} steps")
+        return ids, positions
+
+
+class ShepherdFormat:
+    """Math-Shepherd input: question, then every step followed by " ки", one per line."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        both = tokenizer(" ".join(SHEPHERD_LABELS), add_special_tokens=False)["input_ids"]
+        if len(both) == 2:
+            self.label_ids = list(both)
+        else:
+            self.label_ids = [tokenizer(x, add_special_tokens=False)["input_ids"][-1] for x in SHEPHERD_LABELS]
+
+    def build(self, question: str, steps: list[str]) -> tuple[list[int], list[int]]:
+        text, ends = question + " ", []
+        for i, s in enumerate(steps):
+            text += ("\n" if i else "") + s + SHEPHERD_TAG
+            ends.append(len(text) - 1)  # the tag's last character
+        enc = self.tokenizer(text, add_special_tokens=True, return_offsets_mapping=True)
+        ids, offsets = enc["input_ids"], enc["offset_mapping"]
+        positions = [max(j for j, (a, b) in enumerate(offsets) if a <= end < b) for end in ends]
+        return ids, positions
+
+
+class PRMScorer(StepScorer):
+    """Process reward model score of the newest step (or an aggregate over the trajectory)."""
+
+    Params = PRMParams
+
+    @classmethod
+    def models_needed(cls, params):
+        return [params.model]
+
+    def __init__(self, params, context) -> None:
+        super().__init__(params, context)
+        import torch
+
+        from kvflow.backends.hf.scoring import PositionForward
+
+        if params.protocol == "qwen25-math-prm":
+            from kvflow.backends.hf.prm import load_qwen_prm
+
+            self.prm_model, tokenizer = load_qwen_prm(context.models[params.model])
+            model = self.prm_model
+            self.format = QwenPRMFormat(tokenizer)
+            self.forward = PositionForward(model.model, model.score, pad_id=_pad_id(tokenizer),
+                                           batch_tokens=params.batch_tokens)
+            self._prob = lambda logits: torch.softmax(logits, dim=-1)[:, 1]
+        else:
+            runner = context.load_session(params.model).runner
+            self.format = ShepherdFormat(runner.tokenizer)
+            labels = torch.as_tensor(self.format.label_ids, device=runner.device)
+            self.forward = PositionForward(runner.body, lambda h: runner.lm_head(h)[:, labels],
+                                           pad_id=_pad_id(runner.tokenizer), batch_tokens=params.batch_tokens)
+            self._prob = lambda logits: torch.softmax(logits, dim=-1)[:, 0]
+
+    def step_scores(self, questions: list[str], steps: list[list[str]]) -> list[list[float]]:
+        """P(correct) of every step of every trajectory, one batched pass."""
+        todo = [i for i, s in enumerate(steps) if s]
+        built = [self.format.build(questions[i], steps[i]) for i in todo]
+        logits = self.forward([b[0] for b in built], [b[1] for b in built]) if built else []
+        out: list[list[float]] = [[] for _ in steps]
+        for i, lg in zip(todo, logits):
+            out[i] = self._prob(lg).tolist()
+        return out
+
+    def score(self, requests):
+        if not requests:
+            return []
+        delim = self.context.delimiter
+        steps = [steps_for(r.trajectory, r.candidate, delim)[0] for r in requests]
+        scores = self.step_scores([r.trajectory.question for r in requests], steps)
+        return [aggregate(s, self.params.aggregate) if s else math.nan for s in scores]
+
+
+def _pad_id(tokenizer) -> int:
+    for tid in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if tid is not None:
+            return int(tid)
+    return 0

@@ -1,0 +1,126 @@
+"""PNG plots of `kvflow report` (matplotlib, Agg backend; imported only when plotting)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Sequence
+
+from kvflow.report.runs import Run
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _colors(plt, n: int) -> list:
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    return [cycle[i % len(cycle)] for i in range(n)]
+
+
+def accuracy_vs_budget(runs: Sequence[Run], path: Path) -> Optional[Path]:
+    """Accuracy vs budget, one line per (method, N); full-KV runs as dashed horizontal lines."""
+    evicted = [r for r in runs if not r.full_kv and r.budget is not None and r.metrics.get("accuracy") is not None]
+    full = [r for r in runs if r.full_kv and r.metrics.get("accuracy") is not None]
+    if not evicted and not full:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    series = sorted({(r.method, r.n) for r in evicted})
+    colors = _colors(plt, len(series) + len(full))
+    for (method, n), c in zip(series, colors):
+        pts = sorted((r.budget, r.metrics["accuracy"]) for r in evicted if r.method == method and r.n == n)
+        ax.plot([b for b, _ in pts], [a * 100 for _, a in pts], "-o", color=c, label=f"{method}, N={n}")
+    for r, c in zip(full, colors[len(series):]):
+        ax.axhline(r.metrics["accuracy"] * 100, linestyle="--", color=c, label=f"{r.variant} (full KV), N={r.n}")
+    budgets = sorted({r.budget for r in evicted})
+    if budgets:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(budgets, [str(b) for b in budgets])
+        ax.minorticks_off()
+    ax.set_xlabel("KV budget (tokens per layer and KV head)")
+    ax.set_ylabel("accuracy (%)")
+    ax.set_title("Accuracy vs KV budget")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    return _save(fig, plt, path)
+
+
+def step_share(runs: Sequence[Run], path: Path) -> Optional[Path]:
+    """Share of committed steps from the helper(s) vs N (one line per budget) and vs budget
+    (one line per N); full-KV runs dashed."""
+    multi = [r for r in runs if len(r.proposers) > 1 and r.metrics.get("step_share")]
+    if not multi:
+        return None
+    plt = _plt()
+
+    def helper_share(r: Run) -> float:
+        share = r.metrics["step_share"]
+        return 100 * sum(share.get(p, 0.0) for p in r.proposers[1:])
+
+    fig, (ax_n, ax_b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    variants = sorted({r.variant for r in multi})
+    budgets = sorted({r.budget for r in multi if not r.full_kv and r.budget is not None})
+    keys = [(v, b) for v in variants for b in budgets] + [(v, None) for v in variants]
+    keys = [k for k in keys if any(r.variant == k[0] and (r.budget if not r.full_kv else None) == k[1] for r in multi)]
+    for (variant, b), c in zip(keys, _colors(plt, len(keys))):
+        sel = [r for r in multi if r.variant == variant and (r.budget if not r.full_kv else None) == b]
+        pts = sorted((r.n, helper_share(r)) for r in sel)
+        label = f"{variant}, " + (f"B={b}" if b is not None else "full KV")
+        ax_n.plot([n for n, _ in pts], [s for _, s in pts], "-o" if b is not None else "--o", color=c, label=label)
+    ns = sorted({r.n for r in multi})
+    keys = [(v, n) for v in variants for n in ns if any(r.variant == v and r.n == n for r in multi)]
+    for (variant, n), c in zip(keys, _colors(plt, len(keys))):
+        sel = [r for r in multi if r.variant == variant and r.n == n]
+        pts = sorted((r.budget, helper_share(r)) for r in sel if not r.full_kv and r.budget is not None)
+        if pts:
+            ax_b.plot([b for b, _ in pts], [s for _, s in pts], "-o", color=c, label=f"{variant}, N={n}")
+        for r in (r for r in sel if r.full_kv):
+            ax_b.axhline(helper_share(r), linestyle="--", color=c, label=f"{variant}, N={n}, full KV")
+    ax_n.set_xlabel("candidates per step N (base)")
+    ax_n.set_xticks(ns, [str(n) for n in ns])
+    ax_b.set_xlabel("KV budget (tokens)")
+    if budgets:
+        ax_b.set_xscale("log", base=2)
+        ax_b.set_xticks(budgets, [str(b) for b in budgets])
+        ax_b.minorticks_off()
+    for ax, title in ((ax_n, "helper step share vs N"), (ax_b, "helper step share vs budget")):
+        ax.set_ylabel("committed steps from the helper (%)")
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+    return _save(fig, plt, path)
+
+
+def decode_cost(runs: Sequence[Run], path: Path) -> Optional[Path]:
+    """Stacked bars: base and helper tokens generated per problem, per run."""
+    rows = [r for r in runs if r.metrics.get("tokens_generated")]
+    if not rows:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(rows) + 2), 4.5))
+    base = [r.metrics["tokens_generated"].get(r.proposers[0], 0.0) for r in rows]
+    helper = [sum(r.metrics["tokens_generated"].get(p, 0.0) for p in r.proposers[1:]) for r in rows]
+    x = range(len(rows))
+    ax.bar(x, base, label="base tokens")
+    ax.bar(x, helper, bottom=base, label="helper tokens")
+    labels = [f"{r.variant}\n{'full KV' if r.full_kv else f'B={r.budget}'}, N={r.n}" for r in rows]
+    ax.set_xticks(list(x), labels, rotation=30, ha="right", fontsize=7)
+    ax.set_ylabel("tokens generated per problem")
+    ax.set_title("Decode cost")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, plt, path)
+
+
+def _save(fig, plt, path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

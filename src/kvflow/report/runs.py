@@ -1,0 +1,217 @@
+"""Reading results directories for `kvflow report` (read-only: nothing here writes to a run).
+
+A `Run` is one results directory (DESIGN.md §8): its resolved config, manifest, the sample
+records and the metrics (metrics.json, or recomputed from samples.jsonl for a run that has
+not finished). What a run *is* comes from its config:
+
+- `evictor`, `budget`: `proposers.<first>.evictor.kind/budget` (the first proposer is the base);
+- `variant`: the ablation it belongs to (DESIGN.md §5): best-of-N (base only, no pruners),
+  early exit (base only, with pruners), interleave (a helper, no pruners on the base),
+  interleave + early exit (both), helper only (a single proposer called or using `helper`);
+- `n`: the base proposer's candidates per step.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import yaml
+
+from kvflow.errors import ConfigProblem, UserError
+
+CONFIG, MANIFEST, SAMPLES, METRICS = "config.resolved.yaml", "manifest.json", "samples.jsonl", "metrics.json"
+
+VARIANTS = ("best-of-N", "early exit", "interleave", "interleave + early exit", "helper only")
+
+
+@dataclass
+class Run:
+    path: Path
+    config: dict
+    manifest: dict
+    records: list[dict]
+    metrics: dict
+    complete: bool
+    proposers: list[str] = field(default_factory=list)
+
+    # -- what the run is ------------------------------------------------------------------
+    @property
+    def label(self) -> str:
+        return self.path.name
+
+    @property
+    def name(self) -> str:
+        return str(self.config.get("name") or self.manifest.get("name") or self.path.name.split("__")[0])
+
+    def _proposer(self, i: int = 0) -> dict:
+        props = self.config.get("proposers") or {}
+        names = list(props)
+        return (props.get(names[i]) or {}) if i < len(names) else {}
+
+    @property
+    def evictor(self) -> str:
+        ev = self._proposer().get("evictor") or {}
+        return str(ev.get("kind", "none"))
+
+    @property
+    def full_kv(self) -> bool:
+        return self.evictor == "none"
+
+    @property
+    def budget(self) -> Optional[int]:
+        if self.full_kv:
+            return None
+        ev = self._proposer().get("evictor") or {}
+        if "budget" in ev:
+            return ev["budget"]
+        return _default_param("evictors", self.evictor, "budget")
+
+    @property
+    def n(self) -> int:
+        return int(self._proposer().get("n", 1))
+
+    @property
+    def base_pruners(self) -> list[str]:
+        return [str(p.get("kind")) for p in (self._proposer().get("pruners") or []) if isinstance(p, dict)]
+
+    @property
+    def variant(self) -> str:
+        props = self.config.get("proposers") or {}
+        if len(props) == 1:
+            (pname, prop), = props.items()
+            if "helper" in (pname, (prop or {}).get("model")):
+                return "helper only"
+            return "early exit" if self.base_pruners else "best-of-N"
+        return "interleave + early exit" if self.base_pruners else "interleave"
+
+    @property
+    def method(self) -> str:
+        """`variant / evictor`, the series key of accuracy-vs-budget (budget excluded)."""
+        return f"{self.variant} / {'full KV' if self.full_kv else self.evictor}"
+
+    @property
+    def dataset(self) -> dict:
+        ds = self.manifest.get("dataset") or self.config.get("dataset") or {}
+        return {"name": ds.get("name", "gsm8k"), "limit": ds.get("limit"), "offset": ds.get("offset", 0),
+                "shuffle": bool(ds.get("shuffle", False)),
+                "seed": ((self.config.get("run") or {}).get("seed", 0) if ds.get("shuffle") else None)}
+
+    def dataset_text(self) -> str:
+        d = self.dataset
+        text = f"{d['name']} offset={d['offset']} limit={d['limit']}"
+        return text + (f" shuffled(seed={d['seed']})" if d["shuffle"] else "")
+
+    def correct_by_id(self) -> dict[str, bool]:
+        return {r["id"]: bool(r.get("correct")) for r in self.records}
+
+
+def _default_param(kind: str, name: str, param: str) -> Any:
+    try:
+        from kvflow.registry import get_registry
+
+        return get_registry().info(kind, name).defaults.get(param)
+    except Exception:
+        return None
+
+
+def read_samples(path: Path) -> list[dict]:
+    """Records of a samples.jsonl, read-only: a torn last line is skipped with a warning, a
+    corrupt line elsewhere or a duplicated id is a UserError."""
+    if not path.exists():
+        return []
+    lines = path.read_bytes().split(b"\n")
+    records = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            if not isinstance(rec, dict) or "id" not in rec:
+                raise ValueError("not a sample record")
+        except ValueError as exc:
+            if i == len(lines) - 1:
+                print(f"kvflow: {path}: ignoring an incomplete last line (run still in progress or killed)",
+                      file=sys.stderr)
+                break
+            raise UserError(ConfigProblem(str(path), i + 1, "samples", f"corrupt record: {exc}",
+                                          "remove or fix the line, or rerun with --force")) from None
+        records.append(rec)
+    seen: set = set()
+    dupes = [r["id"] for r in records if r["id"] in seen or seen.add(r["id"])]
+    if dupes:
+        raise UserError(ConfigProblem(str(path), 0, "samples", f"duplicate records for {dupes[:5]}"))
+    return records
+
+
+def _pruner_owners(config: dict) -> dict[str, list[str]]:
+    """Pruner result names (kind, kind_2... within a proposer) -> proposers they watch."""
+    owners: dict[str, list[str]] = {}
+    for pname, prop in (config.get("proposers") or {}).items():
+        seen: dict[str, int] = {}
+        for p in (prop or {}).get("pruners") or []:
+            kind = str(p.get("kind"))
+            seen[kind] = seen.get(kind, 0) + 1
+            owners.setdefault(kind if seen[kind] == 1 else f"{kind}_{seen[kind]}", []).append(pname)
+    return owners
+
+
+def load_run(path: Path) -> Run:
+    path = Path(path)
+    if not (path / CONFIG).is_file():
+        raise UserError(f"{path}: not a results directory (no {CONFIG})",
+                        hint="pass directories written by `kvflow run` (results/<name>__<hash>/)")
+    try:
+        config = yaml.safe_load((path / CONFIG).read_text()) or {}
+        manifest = json.loads((path / MANIFEST).read_text()) if (path / MANIFEST).is_file() else {}
+        metrics = json.loads((path / METRICS).read_text()) if (path / METRICS).is_file() else None
+    except (OSError, ValueError, yaml.YAMLError) as e:
+        raise UserError(f"{path}: cannot read: {e}") from None
+    records = read_samples(path / SAMPLES)
+    proposers = list(config.get("proposers") or {})
+    complete = metrics is not None
+    if metrics is None or metrics.get("n_problems", 0) != len(records):
+        from kvflow.runtime.results import compute_metrics
+
+        metrics = compute_metrics(records, proposers, _pruner_owners(config)) if records else {"n_problems": 0}
+    return Run(path, config, manifest, records, metrics, complete, proposers)
+
+
+def expand_dirs(args: Iterable[str]) -> list[Path]:
+    """Directories from arguments: paths, glob patterns, or a parent holding results dirs."""
+    out: list[Path] = []
+    problems = []
+    for arg in args:
+        matches = sorted(glob.glob(arg)) if any(c in arg for c in "*?[") else [arg]
+        if not matches:
+            problems.append(ConfigProblem("", 0, "", f"{arg}: no such results directory (pattern matched nothing)"))
+            continue
+        for m in matches:
+            p = Path(m)
+            if (p / CONFIG).is_file():
+                out.append(p)
+            elif p.is_dir() and any((c / CONFIG).is_file() for c in p.iterdir() if c.is_dir()):
+                out.extend(sorted(c for c in p.iterdir() if (c / CONFIG).is_file()))
+            elif not p.exists():
+                problems.append(ConfigProblem("", 0, "", f"{m}: no such results directory"))
+            else:
+                problems.append(ConfigProblem("", 0, "", f"{m}: not a results directory (no {CONFIG})",
+                                              "pass directories written by `kvflow run`"))
+    if problems:
+        raise UserError(problems)
+    return list(dict.fromkeys(p.resolve() for p in out))
+
+
+def check_same_dataset(runs: Iterable[Run]) -> None:
+    """UserError unless every run used the same dataset, offset, limit (and shuffle seed)."""
+    groups: dict[str, list[str]] = {}
+    for r in runs:
+        groups.setdefault(r.dataset_text(), []).append(r.label)
+    if len(groups) > 1:
+        lines = "; ".join(f"{key}: {', '.join(labels)}" for key, labels in groups.items())
+        raise UserError(f"runs use different problem sets and cannot be compared: {lines}",
+                        hint="report them separately, or pass --allow-mixed to compare anyway")

@@ -1,0 +1,225 @@
+"""The tables of `kvflow report`, as plain data (`Table`), rendered to markdown or CSV.
+
+Numbers stay numbers in the rows (CSV keeps full precision); `Table.markdown()` formats them.
+Fractions (accuracy, rates, shares) are written as percentages in markdown.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from kvflow.report.runs import VARIANTS, Run
+
+
+@dataclass
+class Table:
+    name: str  # file stem: <name>.csv
+    title: str
+    columns: list[str]
+    rows: list[list[Any]] = field(default_factory=list)
+    percent: set[str] = field(default_factory=set)  # columns that hold fractions
+    note: str = ""
+
+    def csv(self) -> str:
+        buf = io.StringIO()
+        w = csv.writer(buf, lineterminator="\n")
+        w.writerow(self.columns)
+        for row in self.rows:
+            w.writerow(["" if v is None else (round(v, 6) if isinstance(v, float) else v) for v in row])
+        return buf.getvalue()
+
+    def markdown(self) -> str:
+        def cell(col: str, v: Any) -> str:
+            if v is None:
+                return "–"
+            if isinstance(v, bool):
+                return "yes" if v else "no"
+            if isinstance(v, float):
+                if col in self.percent:
+                    return f"{v:.1%}"
+                return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.1f}" if abs(v) >= 10 else f"{v:.2f}"
+            return str(v).replace("|", "\\|")
+
+        lines = [f"### {self.title}", ""]
+        if self.note:
+            lines += [self.note, ""]
+        lines.append("| " + " | ".join(self.columns) + " |")
+        numeric = [any(isinstance(row[i], (int, float)) and not isinstance(row[i], bool) for row in self.rows)
+                   for i in range(len(self.columns))]
+        lines.append("|" + "|".join("---:" if num else "---" for num in numeric) + "|")
+        for row in self.rows:
+            lines.append("| " + " | ".join(cell(c, v) for c, v in zip(self.columns, row)) + " |")
+        return "\n".join(lines) + "\n"
+
+
+def _sources(runs: Sequence[Run]) -> list[str]:
+    return list(dict.fromkeys(p for r in runs for p in r.proposers))
+
+
+def _pruners(runs: Sequence[Run]) -> list[str]:
+    return list(dict.fromkeys(k for r in runs for k in (r.metrics.get("pruned_fraction") or {})))
+
+
+def _budget_text(r: Run) -> str:
+    return "full" if r.full_kv else str(r.budget)
+
+
+def runs_table(runs: Sequence[Run]) -> Table:
+    sources, pruners = _sources(runs), _pruners(runs)
+    cols = ["run", "variant", "evictor", "budget", "N", "problems", "complete", "accuracy", "degeneration rate",
+            "mean steps", "mean output tokens"]
+    cols += [f"tokens: {s}" for s in sources] + [f"step share: {s}" for s in sources]
+    cols += [f"pruned: {p}" for p in pruners] + ["early-exit fraction"]
+    t = Table("runs", "Runs", cols, percent={"accuracy", "degeneration rate", "early-exit fraction"}
+              | {f"step share: {s}" for s in sources} | {f"pruned: {p}" for p in pruners})
+    for r in runs:
+        m = r.metrics
+        row = [r.label, r.variant, r.evictor, _budget_text(r), r.n, m.get("n_problems", 0), r.complete,
+               m.get("accuracy"), m.get("degeneration_rate"), m.get("mean_steps"), m.get("mean_output_tokens")]
+        row += [(m.get("tokens_generated") or {}).get(s) if s in r.proposers else None for s in sources]
+        row += [(m.get("step_share") or {}).get(s) if s in r.proposers else None for s in sources]
+        row += [(m.get("pruned_fraction") or {}).get(p) for p in pruners]
+        row.append(m.get("early_exit_fraction"))
+        t.rows.append(row)
+    return t
+
+
+def accuracy_vs_budget(runs: Sequence[Run]) -> Table:
+    budgets = sorted({r.budget for r in runs if not r.full_kv and r.budget is not None})
+    order = {v: i for i, v in enumerate(VARIANTS)}
+    methods = sorted({r.method for r in runs},
+                     key=lambda m: (m.endswith("full KV"), order.get(m.split(" / ")[0], 99), m))
+    cols = ["method", "N"] + [f"B={b}" for b in budgets] + ["full KV"]
+    t = Table("accuracy_vs_budget", "Accuracy vs KV budget", cols, percent=set(cols[2:]),
+              note="One row per method (ablation variant / evictor) and N; full-KV runs in the last column.")
+    keys = sorted({(r.method, r.n) for r in runs}, key=lambda k: (methods.index(k[0]), k[1]))
+    for method, n in keys:
+        sel = [r for r in runs if r.method == method and r.n == n]
+        row: list[Any] = [method, n]
+        for b in budgets:
+            accs = [r.metrics.get("accuracy") for r in sel if r.budget == b and not r.full_kv]
+            row.append(accs[-1] if accs else None)
+        full = [r.metrics.get("accuracy") for r in sel if r.full_kv]
+        row.append(full[-1] if full else None)
+        t.rows.append(row)
+    return t
+
+
+def decode_cost(runs: Sequence[Run]) -> Table:
+    cols = ["run", "variant", "budget", "N", "mean steps", "mean output tokens", "base tokens", "helper tokens",
+            "total tokens"]
+    t = Table("decode_cost", "Decode cost per problem", cols,
+              note="Tokens generated per problem (all candidates, pruned ones included); base = the first "
+                   "proposer, helper = all others.")
+    for r in runs:
+        tg = r.metrics.get("tokens_generated") or {}
+        base = tg.get(r.proposers[0]) if r.proposers else None
+        helper = sum(tg.get(p, 0.0) for p in r.proposers[1:]) if len(r.proposers) > 1 else None
+        total = sum(tg.values()) if tg else None
+        t.rows.append([r.label, r.variant, _budget_text(r), r.n, r.metrics.get("mean_steps"),
+                       r.metrics.get("mean_output_tokens"), base, helper, total])
+    return t
+
+
+def ablation(runs: Sequence[Run]) -> Table:
+    """Paper-style ablation rows (METHODS.md §9): per budget and N, the variants in order, then full KV."""
+    cols = ["budget", "N", "variant", "accuracy", "degenerate", "base tokens", "steps", "base candidates exited",
+            "run"]
+    t = Table("ablation", "Ablation", cols, percent={"accuracy", "degenerate", "base candidates exited"},
+              note="Degenerate = an incorrect trajectory that hit the step or token cap.")
+    order = {v: i for i, v in enumerate(VARIANTS)}
+
+    def key(r: Run):
+        return (r.full_kv, r.budget or 0, r.n, order.get(r.variant, 99), r.label)
+
+    for r in sorted(runs, key=key):
+        tg = r.metrics.get("tokens_generated") or {}
+        t.rows.append([_budget_text(r), r.n, r.variant + (" (full KV)" if r.full_kv else ""),
+                       r.metrics.get("accuracy"), r.metrics.get("degeneration_rate"),
+                       tg.get(r.proposers[0]) if r.proposers else None, r.metrics.get("mean_steps"),
+                       r.metrics.get("early_exit_fraction") if r.base_pruners else None, r.label])
+    return t
+
+
+def step_share(runs: Sequence[Run]) -> Optional[Table]:
+    multi = [r for r in runs if len(r.proposers) > 1]
+    if not multi:
+        return None
+    sources = _sources(multi)
+    cols = ["N", "budget", "variant"] + [f"share: {s}" for s in sources] + ["run"]
+    t = Table("step_share", "Committed-step share by source", cols, percent={f"share: {s}" for s in sources},
+              note="Fraction of committed steps that came from each proposer, by base N and budget.")
+    for r in sorted(multi, key=lambda r: (r.n, r.full_kv, r.budget or 0, r.label)):
+        share = r.metrics.get("step_share") or {}
+        t.rows.append([r.n, _budget_text(r), r.variant] + [share.get(s) if s in r.proposers else None
+                                                            for s in sources] + [r.label])
+    return t
+
+
+@dataclass
+class Oracle:
+    evicted: Run
+    helper: Run
+    full: Optional[Run]
+    ids: list[str]
+    acc_evicted: float
+    acc_helper: float
+    acc_oracle: float
+    acc_full: Optional[float]
+
+    @property
+    def recovered(self) -> Optional[float]:
+        return recovery(self.acc_oracle, self.acc_evicted, self.acc_full)
+
+
+def recovery(acc: Optional[float], acc_evicted: float, acc_full: Optional[float]) -> Optional[float]:
+    """Share of the full-vs-evicted gap recovered: (acc − acc_evicted) / (acc_full − acc_evicted)."""
+    if acc is None or acc_full is None or acc_full == acc_evicted:
+        return None
+    return (acc - acc_evicted) / (acc_full - acc_evicted)
+
+
+def oracle(evicted: Run, helper: Run, full: Optional[Run]) -> Oracle:
+    from kvflow.errors import UserError
+
+    ev, hp = evicted.correct_by_id(), helper.correct_by_id()
+    ids = [i for i in ev if i in hp]
+    fl = full.correct_by_id() if full else None
+    if fl is not None:
+        ids = [i for i in ids if i in fl]
+    if not ids:
+        raise UserError("oracle: the runs share no problem ids",
+                        hint="--oracle-evicted, --oracle-helper and --oracle-full must cover the same problems")
+
+    def acc(d: dict[str, bool]) -> float:
+        return sum(d[i] for i in ids) / len(ids)
+
+    return Oracle(evicted, helper, full, ids, acc(ev), acc(hp), sum(ev[i] or hp[i] for i in ids) / len(ids),
+                  acc(fl) if fl is not None else None)
+
+
+def oracle_table(o: Oracle, runs: Sequence[Run]) -> Table:
+    cols = ["what", "accuracy", "gap recovered", "run"]
+    n = len(o.ids)
+    t = Table("oracle", f"Oracle analysis ({n} common problems)", cols, percent={"accuracy", "gap recovered"},
+              note="Oracle = correct when the evicted base or the full-KV helper is correct (answer level). "
+                   "Gap recovered = (accuracy − evicted) / (full − evicted), all on the common problems.")
+    t.rows.append(["evicted base", o.acc_evicted, 0.0 if o.acc_full is not None else None, o.evicted.label])
+    t.rows.append(["full-KV helper", o.acc_helper, recovery(o.acc_helper, o.acc_evicted, o.acc_full), o.helper.label])
+    t.rows.append(["oracle (evicted or helper)", o.acc_oracle, o.recovered, ""])
+    if o.full is not None:
+        t.rows.append(["full-KV base", o.acc_full, 1.0 if o.acc_full != o.acc_evicted else None, o.full.label])
+    ids = set(o.ids)
+    special = {o.evicted.path, o.helper.path} | ({o.full.path} if o.full else set())
+    for r in runs:
+        if r.path in special:
+            continue
+        d = r.correct_by_id()
+        if not ids <= set(d):
+            continue
+        acc = sum(d[i] for i in o.ids) / n
+        t.rows.append([f"{r.variant} ({_budget_text(r)})", acc, recovery(acc, o.acc_evicted, o.acc_full), r.label])
+    return t

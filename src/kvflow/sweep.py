@@ -1,0 +1,244 @@
+"""`kvflow run FILE --sweep PATH=V1,V2,... [--sweep ...]`: a grid of runs (DESIGN.md §5).
+
+Each `--sweep` names a dotted path and a comma-separated list of YAML values; the grid is
+their cross product (the first `--sweep` varies slowest). A point is the pipeline with the
+run's own `--set`s followed by one `--set PATH=VALUE` per sweep, so it has its own config hash
+and its own results directory (`<output>/<name>__<hash>/`). Commas inside brackets, braces
+or quotes do not split values: `--sweep 'proposers.base.pruners=[],[{kind: gzip}]'`.
+
+Every point is validated before any runs; all problems are reported at once, each naming the
+points it applies to. Points whose results directory is complete are skipped (unless
+`--force`); an interrupted sweep resumes where it stopped, like a single run.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Optional, Sequence
+
+from kvflow.config.loader import format_path, parse_path
+from kvflow.errors import ConfigProblem, UserError
+
+SWEEP_FILE = "<--sweep>"
+
+
+@dataclass(frozen=True)
+class Axis:
+    path: str  # as written (dotted)
+    values: tuple[str, ...]  # raw YAML texts
+
+
+@dataclass
+class Point:
+    index: int
+    settings: tuple[tuple[str, str], ...]  # (path, raw value) per axis
+    names: tuple[str, ...] = ()  # short, unique names of the axes (for labels)
+    loaded: object = None  # LoadedPipeline once validated
+
+    @property
+    def label(self) -> str:
+        names = self.names or tuple(p for p, _ in self.settings)
+        return " ".join(f"{n}={v}" for n, (_, v) in zip(names, self.settings))
+
+    @property
+    def sets(self) -> list[str]:
+        return [f"{p}={v}" for p, v in self.settings]
+
+
+def split_values(text: str) -> list[str]:
+    """Split on commas outside brackets, braces and quotes."""
+    out, depth, quote, cur = [], 0, None, []
+    for ch in text:
+        if quote:
+            if ch == quote:
+                quote = None
+        elif ch in "\"'":
+            quote = ch
+        elif ch in "[{(":
+            depth += 1
+        elif ch in "]})":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            out.append("".join(cur).strip())
+            cur = []
+            continue
+        cur.append(ch)
+    out.append("".join(cur).strip())
+    return out
+
+
+def parse_sweeps(specs: Iterable[str]) -> list[Axis]:
+    """``["a.b=1,2", "c=x"]`` -> axes. Raises UserError listing every malformed spec."""
+    axes: list[Axis] = []
+    problems: list[ConfigProblem] = []
+    seen: dict[tuple, str] = {}
+    for spec in specs:
+        key, eq, raw = spec.partition("=")
+        key = key.strip()
+        if not eq or not key:
+            problems.append(ConfigProblem(SWEEP_FILE, 0, key, "expected PATH=VALUE1,VALUE2,...",
+                                          "e.g. --sweep proposers.base.evictor.budget=64,128,256"))
+            continue
+        try:
+            parts = parse_path(key)
+        except ValueError as e:
+            problems.append(ConfigProblem(SWEEP_FILE, 0, key, str(e)))
+            continue
+        values = split_values(raw)
+        if any(v == "" for v in values):
+            problems.append(ConfigProblem(SWEEP_FILE, 0, key, f"empty value in '{raw}'",
+                                          "separate values with single commas: 64,128,256"))
+            continue
+        if len(set(values)) != len(values):
+            problems.append(ConfigProblem(SWEEP_FILE, 0, key, f"repeated value in '{raw}'"))
+            continue
+        if parts in seen:
+            problems.append(ConfigProblem(SWEEP_FILE, 0, key, "swept twice", "give all its values in one --sweep"))
+            continue
+        seen[parts] = key
+        axes.append(Axis(format_path(parts), tuple(values)))
+    if problems:
+        raise UserError(problems)
+    return axes
+
+
+def expand(axes: Sequence[Axis]) -> list[Point]:
+    """The cross product of the axes, first axis slowest."""
+    combos = itertools.product(*[[(a.path, v) for v in a.values] for a in axes])
+    names = short_names([a.path for a in axes])
+    return [Point(i, tuple(c), names) for i, c in enumerate(combos)]
+
+
+def short_names(paths: Sequence[str]) -> tuple[str, ...]:
+    """The shortest dotted suffix of each path that no other path ends with:
+    proposers.base.n, proposers.helper.n -> base.n, helper.n."""
+    parts = [parse_path(p) for p in paths]
+    out = []
+    for i, p in enumerate(parts):
+        for k in range(1, len(p) + 1):
+            if not any(j != i and q[-k:] == p[-k:] for j, q in enumerate(parts)):
+                break
+        out.append(format_path(p[-k:]))
+    return tuple(out)
+
+
+def load_points(file, axes: Sequence[Axis], sets: Sequence[str] = (), unsets: Sequence[str] = (),
+                registry=None) -> list[Point]:
+    """Validate every point (nothing runs). Raises one UserError with every problem, each
+    problem once, naming the sweep points it occurs in unless it occurs in all of them."""
+    from kvflow.config.validate import load_pipeline
+    from kvflow.runtime.runner import results_path
+
+    points = expand(axes)
+    found: dict[ConfigProblem, list[str]] = {}
+    for point in points:
+        try:
+            point.loaded = load_pipeline(file, sets=[*sets, *point.sets], unsets=unsets, registry=registry)
+        except UserError as e:
+            for p in e.problems:
+                found.setdefault(p, []).append(point.label)
+    if found:
+        problems = []
+        for p, labels in found.items():
+            if len(labels) < len(points):
+                p = ConfigProblem(p.file, p.line, p.path, f"{p.message} (sweep point{'s' if len(labels) > 1 else ''} "
+                                  f"{'; '.join(labels)})", p.hint)
+            problems.append(p)
+        raise UserError(problems)
+    by_dir: dict[Path, list[str]] = {}
+    for point in points:
+        by_dir.setdefault(results_path(point.loaded), []).append(point.label)
+    clashes = [labels for labels in by_dir.values() if len(labels) > 1]
+    if clashes:
+        raise UserError([ConfigProblem(SWEEP_FILE, 0, "", f"points {' and '.join(c)} give the same pipeline",
+                                       "drop the duplicate value") for c in clashes])
+    return points
+
+
+def run_sweep(file, sweeps: Sequence[str], *, sets: Sequence[str] = (), unsets: Sequence[str] = (),
+              force: bool = False, registry=None, say: Optional[Callable[[str], None]] = None) -> int:
+    """Validate all points, then run each (skipping complete ones). Returns the worst exit code."""
+    from kvflow.runtime import runner
+
+    say = say or (lambda m: print(f"kvflow: {m}", file=sys.stderr, flush=True))
+    axes = parse_sweeps(sweeps)
+    points = load_points(file, axes, sets, unsets, registry)
+    total = len(points)
+    say(f"sweep: {total} point(s) over {', '.join(a.path for a in axes)}")
+    code = 0
+    rows = []
+    with _Bar(total) as bar:
+        for i, point in enumerate(points, 1):
+            path = runner.results_path(point.loaded)
+            status = "skipped (complete)" if not force and _complete(point.loaded) else None
+            bar.update(i - 1, point.label)
+            if status is None:
+                say(f"sweep [{i}/{total}] {point.label}: running -> {path}")
+                rc = int(runner.run_pipeline(point.loaded, force=force, registry=registry, quiet=True) or 0)
+                code = max(code, rc)
+                status = "done" if rc == 0 else f"failed (exit {rc})"
+            else:
+                say(f"sweep [{i}/{total}] {point.label}: {status} {path}")
+            rows.append((point, path, status))
+            bar.update(i, point.label)
+    _print_summary(rows)
+    return code
+
+
+def _complete(loaded) -> bool:
+    """Complete = metrics.json written and every problem of the dataset recorded."""
+    from kvflow.runtime.results import ResultsDir
+    from kvflow.runtime.runner import load_dataset, results_path
+
+    store = ResultsDir(results_path(loaded))
+    metrics = store.metrics()
+    if metrics is None:
+        return False
+    return metrics.get("n_problems", 0) >= len(load_dataset(loaded))
+
+
+def _print_summary(rows) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvflow.runtime.results import ResultsDir
+
+    table = Table(title="kvflow sweep", title_justify="left")
+    for col in ("point", "status", "accuracy", "results"):
+        table.add_column(col, overflow="fold")
+    for point, path, status in rows:
+        m = ResultsDir(path).metrics() or {}
+        acc = f"{m['accuracy']:.1%} ({m.get('n_correct', 0)}/{m.get('n_problems', 0)})" if "accuracy" in m else "–"
+        table.add_row(point.label, status, acc, str(path))
+    Console(highlight=False).print(table)
+
+
+class _Bar:
+    """One progress bar over the sweep's points (stderr, only on a terminal)."""
+
+    def __init__(self, total: int) -> None:
+        self._bar = None
+        if sys.stderr.isatty():
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._bar = Progress(TextColumn("[bold]sweep"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[point]}"), TimeElapsedColumn(),
+                                 console=Console(stderr=True), transient=False)
+            self._task = self._bar.add_task("sweep", total=total, point="")
+
+    def __enter__(self) -> "_Bar":
+        if self._bar is not None:
+            self._bar.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+    def update(self, done: int, label: str) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, completed=done, point=label)

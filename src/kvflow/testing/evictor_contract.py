@@ -1,0 +1,306 @@
+"""The contract every KV evictor must pass (METHODS.md §0, DESIGN.md §4), as a pytest suite.
+
+Built-ins and third-party evictors run the same tests. In a plugin's test suite:
+
+    import pytest
+    from kvflow.testing.evictor_contract import EvictorContract
+    from my_plugin import MyEvictor
+
+    class TestMyEvictor(EvictorContract):
+        @pytest.fixture
+        def evictor_factory(self):
+            # params: budget, buffer, window, protect_prompt (+ anything in contract_params)
+            return lambda **params: MyEvictor(MyEvictor.Params(**params))
+
+pytest collects the inherited `test_*` methods. Everything runs on CPU on tiny random-weight
+models (`kvflow.testing.tiny_model`: Qwen2 with 2 KV heads, Llama with 3, an MHA model) in a
+few seconds. The module can also be loaded as a plugin (`pytest_plugins =
+["kvflow.testing.evictor_contract"]` or `-p kvflow.testing.evictor_contract`): it then
+provides the `contract_runner` fixture, a tiny `HFRunner` factory cached per (arch, dtype).
+
+What is checked, for bounded evictors (for `bounded = False` ones only what applies):
+
+- cache bound: the resident length never exceeds `budget + buffer` (the peak, during the
+  forward that triggers a compaction), is exactly `budget` right after a compaction, and
+  the preallocated storage never grows;
+- `select()`: exactly `budget` slots per (row, KV head), strictly ascending (time order, no
+  duplicates), inside the row, the recent window and the protected prompt always among them,
+  for every architecture (GQA 2 and 3 KV heads, MHA), rows of different lengths, float32
+  and bfloat16 inputs, and no NaN in the scores;
+- prompt protection through real decoding: the prompt's cached keys survive every compaction
+  untouched, in the first slots;
+- identity: with a budget above the sequence length, greedy decoding equals plain
+  `model.generate` token for token;
+- determinism under the row seeds, and batching: rows with different prompt lengths (hence
+  different compaction times and kept sets) decoded in one batch give the same tokens and
+  the same cache as each row decoded alone; forking and joining rows carries their state;
+- float32 and bfloat16 decoding with compactions stays finite.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, ClassVar
+
+import pytest
+
+#: prompts (token ids) of different lengths: rows reach budget + buffer at different steps
+PROMPTS = [list(range(5, 12)), list(range(20, 35)), list(range(40, 44))]
+ROW_SEEDS = [11, 22, 33]
+
+
+@functools.lru_cache(maxsize=None)
+def _runner(arch: str, dtype: str):
+    from kvflow.testing.models import tiny_runner
+
+    return tiny_runner(arch, dtype=dtype)
+
+
+@pytest.fixture
+def contract_runner() -> Callable[[str, str], Any]:
+    """contract_runner(arch="qwen2", dtype="float32") -> a cached tiny `HFRunner`."""
+    return lambda arch="qwen2", dtype="float32": _runner(arch, dtype)
+
+
+def decode(runner, evictor, prompts, steps: int, seeds=None, trace: list | None = None):
+    """Greedy decoding of `steps` tokens for every prompt in one batch.
+
+    Returns (tokens [rows][steps], cache). With `trace`, appends one (lengths before the
+    forward, lengths after, compactions after) tuple per forward, prefill included."""
+    import torch
+
+    cache = runner.new_cache(evictor, len(prompts), seeds if seeds is not None else ROW_SEEDS[: len(prompts)])
+    pending = runner.prefill(cache, prompts)
+    tokens: list[list[int]] = [[] for _ in prompts]
+    for _ in range(steps):
+        before = cache.rows.lengths.clone()
+        logits = runner.forward(cache, pending[:, None])
+        assert torch.isfinite(logits).all(), "non-finite logits"
+        if trace is not None:
+            trace.append((before, cache.rows.lengths.clone(), cache.rows.compactions.clone()))
+        pending = logits.argmax(-1).cpu()
+        for r, t in enumerate(pending.tolist()):
+            tokens[r].append(t)
+    return tokens, cache
+
+
+def _shapes(arch: str) -> tuple[int, int, int]:
+    """(q_heads, kv_heads, head_dim) of the tiny model of `arch`."""
+    from kvflow.testing.models import ARCHITECTURES
+
+    _, extra = ARCHITECTURES[arch]
+    hidden = extra.get("hidden_size", 64)
+    return extra["num_attention_heads"], extra["num_key_value_heads"], hidden // extra["num_attention_heads"]
+
+
+class EvictorContract:
+    """Subclass and override the `evictor_factory` fixture (see the module docstring)."""
+
+    #: parameters of the small bounded setting every test uses (compactions every few tokens)
+    contract_params: ClassVar[dict] = dict(budget=10, buffer=5, window=2)
+    #: decode steps per scenario: several compactions per row at the contract budget
+    contract_steps: ClassVar[int] = 24
+
+    @pytest.fixture
+    def evictor_factory(self) -> Callable[..., Any]:
+        """Return a callable `factory(**params) -> Evictor`; params override the evictor's
+        `Params` fields (budget, buffer, window, protect_prompt)."""
+        raise NotImplementedError("override the evictor_factory fixture")
+
+    @pytest.fixture(autouse=True)
+    def _contract_threads(self):
+        """Tiny models run fastest single-threaded (and shared CI machines are busy)."""
+        import torch
+
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        yield
+        torch.set_num_threads(before)
+
+    # ------------------------------------------------------------------ helpers
+
+    def make(self, factory, **overrides):
+        params = dict(self.contract_params)
+        params.update(overrides)
+        return factory(**params)
+
+    @staticmethod
+    def _needs_bounded(evictor) -> None:
+        if not evictor.bounded:
+            pytest.skip("unbounded evictor: never compacts")
+
+    # ------------------------------------------------------------------ cache bound
+
+    @pytest.mark.parametrize("arch", ["qwen2", "llama", "mha"])
+    def test_cache_bound(self, evictor_factory, arch):
+        runner = _runner(arch, "float32")
+        ev = self.make(evictor_factory)
+        trace: list = []
+        _, cache = decode(runner, ev, PROMPTS, self.contract_steps, trace=trace)
+        if not ev.bounded:
+            expected = [len(p) - 1 + self.contract_steps for p in PROMPTS]
+            assert cache.rows.lengths.tolist() == expected and not cache.rows.compactions.any()
+            return
+        budget, peak = ev.params.budget, ev.trigger
+        compacted_rows = 0
+        prev_comp = cache.rows.compactions.new_zeros(len(PROMPTS))
+        for before, after, comp in trace:
+            assert int((before + 1).max()) <= peak, "resident length exceeded budget + buffer"
+            assert int(after.max()) < peak, "a row at budget + buffer was not compacted"
+            fired = comp > prev_comp
+            assert (after[fired] == budget).all(), "not exactly `budget` tokens after a compaction"
+            assert ((before + 1)[fired] == peak).all(), "compaction fired before budget + buffer"
+            compacted_rows += int(fired.sum())
+            prev_comp = comp
+        assert compacted_rows >= len(PROMPTS), "the scenario should compact every row"
+        assert len(set(cache.rows.compactions.tolist())) > 1, "rows should compact at different times"
+        for layer in cache.layers:
+            assert layer.keys.shape[2] == peak + 1 and layer.values.shape[2] == peak + 1, "KV storage grew"
+
+    # ------------------------------------------------------------------ select() invariants
+
+    @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+    @pytest.mark.parametrize("protect", [False, True])
+    @pytest.mark.parametrize("arch", ["qwen2", "llama", "mha"])
+    def test_select_invariants(self, evictor_factory, arch, protect, dtype):
+        import torch
+
+        ev = self.make(evictor_factory, protect_prompt=protect)
+        self._needs_bounded(ev)
+        q_heads, kv_heads, d = _shapes(arch)
+        budget, window, n = ev.params.budget, ev.params.window, ev.trigger
+        lengths = torch.tensor([n, n - 2, budget + 1, n])
+        rows = len(lengths)
+        n_protected = torch.tensor([ev.n_protected(p) for p in (4, 1, 30, 0)])
+        g = torch.Generator().manual_seed(0)
+        dt = getattr(torch, dtype)
+        keys = torch.randn(rows, kv_heads, n, d, generator=g).to(dt)
+        values = torch.randn(rows, kv_heads, n, d, generator=g).to(dt)
+        keys[1:2, :, n - 2:] = 1e3  # padding slots hold stale values
+        queries = torch.randn(rows, q_heads, ev.query_window, d, generator=g).to(dt) if ev.query_window else None
+        stats = torch.rand(rows, kv_heads, n, generator=g) if ev.observes_attention else None
+        gens = [torch.Generator().manual_seed(s) for s in range(rows)]
+        keep = ev.select(keys, values, queries, layer_idx=0, lengths=lengths, n_protected=n_protected,
+                         generators=gens, stats=stats)
+        assert keep.shape == (rows, kv_heads, budget) and keep.dtype == torch.long
+        assert (keep[..., 1:] > keep[..., :-1]).all(), "kept slots not strictly ascending (time order, unique)"
+        assert (keep < lengths[:, None, None]).all() and (keep >= 0).all(), "kept a padding slot"
+        for r in range(rows):
+            kept = [set(keep[r, h].tolist()) for h in range(kv_heads)]
+            must = set(range(int(lengths[r]) - window, int(lengths[r]))) | set(range(int(n_protected[r])))
+            for h in range(kv_heads):
+                assert must <= kept[h], f"row {r} head {h}: window/protected slots evicted"
+        gens = [torch.Generator().manual_seed(s) for s in range(rows)]
+        extra = {"stats": stats} if ev.observes_attention else {}
+        scores = ev.score(keys, values, queries, layer_idx=0, lengths=lengths, n_protected=n_protected,
+                          generators=gens, **extra)
+        assert scores.shape == (rows, kv_heads, n)
+        valid = torch.arange(n)[None, :] < lengths[:, None]
+        assert not torch.isnan(scores.float())[valid[:, None, :].expand_as(scores)].any(), "NaN score on a valid slot"
+
+    # ------------------------------------------------------------------ prompt protection
+
+    def test_prompt_protection(self, evictor_factory):
+        import torch
+
+        runner = _runner("qwen2", "float32")
+        ev = self.make(evictor_factory, protect_prompt=True)
+        self._needs_bounded(ev)
+        cache = runner.new_cache(ev, len(PROMPTS), ROW_SEEDS)
+        pending = runner.prefill(cache, PROMPTS)
+        protected = cache.rows.n_protected.clone()
+        assert protected.tolist() == [ev.n_protected(len(p) - 1) for p in PROMPTS]
+        assert (protected > 0).all()
+        prompt_keys = [layer.keys.clone() for layer in cache.layers]
+        for _ in range(self.contract_steps):
+            pending = runner.forward(cache, pending[:, None]).argmax(-1).cpu()
+        assert (cache.rows.compactions > 0).all()
+        for layer, before in zip(cache.layers, prompt_keys):
+            for r, p in enumerate(protected.tolist()):
+                torch.testing.assert_close(layer.keys[r, :, :p], before[r, :, :p], rtol=0, atol=0)
+
+    # ------------------------------------------------------------------ identity
+
+    def test_identity_when_budget_exceeds_sequence(self, evictor_factory):
+        import torch
+
+        runner = _runner("qwen2", "float32")
+        steps = 16
+        ev = self.make(evictor_factory, budget=64, buffer=16, window=2)
+        prompts = PROMPTS[:2]
+        tokens, cache = decode(runner, ev, prompts, steps)
+        assert not cache.rows.compactions.any()
+        for prompt, got in zip(prompts, tokens):
+            ids = torch.tensor([prompt])
+            ref = runner.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps,
+                                        do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+            n = len(ref)
+            for i, t in enumerate(ref):
+                if t in runner.eos_ids:
+                    n = i + 1
+                    break
+            assert got[:n] == ref[:n], "greedy output differs from model.generate"
+
+    # ------------------------------------------------------------------ determinism, batching
+
+    def test_deterministic_under_seed(self, evictor_factory):
+        import torch
+
+        runner = _runner("qwen2", "float32")
+        a, ca = decode(runner, self.make(evictor_factory), PROMPTS, self.contract_steps)
+        b, cb = decode(runner, self.make(evictor_factory), PROMPTS, self.contract_steps)
+        assert a == b
+        for la, lb in zip(ca.layers, cb.layers):
+            torch.testing.assert_close(la.keys, lb.keys, rtol=0, atol=0)
+
+    def test_batched_equals_alone(self, evictor_factory):
+        import torch
+
+        runner = _runner("llama", "float32")
+        ev = self.make(evictor_factory)
+        batch_tokens, batch = decode(runner, ev, PROMPTS, self.contract_steps)
+        if ev.bounded:
+            assert len(set(batch.rows.compactions.tolist())) > 1
+        for r, prompt in enumerate(PROMPTS):
+            alone_tokens, alone = decode(runner, ev, [prompt], self.contract_steps, seeds=[ROW_SEEDS[r]])
+            assert alone_tokens[0] == batch_tokens[r], f"row {r}: batched decoding differs from the row alone"
+            n = int(alone.rows.lengths[0])
+            assert int(batch.rows.lengths[r]) == n
+            assert int(batch.rows.compactions[r]) == int(alone.rows.compactions[0])
+            for lb, la in zip(batch.layers, alone.layers):
+                torch.testing.assert_close(lb.keys[r, :, :n], la.keys[0, :, :n], rtol=1e-5, atol=1e-5)
+
+    def test_fork_and_join_carry_row_state(self, evictor_factory):
+        """Rows forked (`select`) and joined (`cat`) decode exactly as the originals."""
+        from kvflow.backends.hf.cache import BudgetedCache
+
+        runner = _runner("qwen2", "float32")
+        ev = self.make(evictor_factory)
+        cache = runner.new_cache(ev, len(PROMPTS), ROW_SEEDS)
+        pending = runner.prefill(cache, PROMPTS)
+        for _ in range(8):
+            pending = runner.forward(cache, pending[:, None]).argmax(-1).cpu()
+        mixed = BudgetedCache.cat([cache.select([2, 0]), cache.select([1, 1])])
+        mixed_pending = pending[[2, 0, 1, 1]]
+        for _ in range(self.contract_steps - 8):
+            pending = runner.forward(cache, pending[:, None]).argmax(-1).cpu()
+            mixed_pending = runner.forward(mixed, mixed_pending[:, None]).argmax(-1).cpu()
+            assert mixed_pending.tolist() == pending[[2, 0, 1, 1]].tolist()
+
+    # ------------------------------------------------------------------ dtypes
+
+    @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+    def test_dtypes_stay_finite(self, evictor_factory, dtype):
+        import torch
+
+        runner = _runner("mha", dtype)
+        ev = self.make(evictor_factory)
+        _, cache = decode(runner, ev, PROMPTS, self.contract_steps)
+        if ev.bounded:
+            assert (cache.rows.compactions > 0).all()
+        for layer in cache.layers:
+            for r, n in enumerate(cache.rows.lengths.tolist()):
+                assert torch.isfinite(layer.keys[r, :, :n].float()).all()
+                assert torch.isfinite(layer.values[r, :, :n].float()).all()
+                if layer.stats is not None:
+                    assert torch.isfinite(layer.stats[r, :, :n]).all()

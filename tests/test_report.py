@@ -1,0 +1,216 @@
+"""`kvflow report` on hand-built results directories (no model runs)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+from typing import Optional
+
+import pytest
+import yaml
+
+from kvflow.errors import UserError
+from kvflow.report import load_runs, report_command
+from kvflow.report.runs import load_run, read_samples
+
+IDS = [f"gsm8k/{i}" for i in range(10)]
+
+
+def make_run(root: Path, name: str, correct: list[bool], *, evictor: str = "rkv", budget: Optional[int] = 64,
+             n: int = 8, helper: bool = True, pruners: bool = True, dataset: Optional[dict] = None,
+             metrics: bool = True, steps: int = 4, helper_steps: int = 1, cap: Optional[list[bool]] = None) -> Path:
+    """A results directory as `kvflow run` writes it; problem i is correct iff correct[i]."""
+    dataset = dataset or {"name": "gsm8k", "limit": len(correct), "offset": 0, "shuffle": False,
+                          "prompt": "qwen25-math-cot"}
+    ev = {"kind": evictor} if evictor == "none" else {"kind": evictor, "budget": budget, "buffer": 64}
+    base = {"model": "base", "n": n, "evictor": ev,
+            "pruners": [{"kind": "entropy", "threshold": 2.5}, {"kind": "gzip", "threshold": 0.25}] if pruners else []}
+    config = {"kvflow": 1, "name": name, "dataset": dataset,
+              "models": {"base": {"id": "b"}, "helper": {"id": "h"}},
+              "proposers": {"base": base, **({"helper": {"model": "helper", "n": n}} if helper else {})}}
+    path = root / f"{name}__{abs(hash(name)) % 10**8:08d}"
+    path.mkdir(parents=True)
+    (path / "config.resolved.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    (path / "manifest.json").write_text(json.dumps({"name": name, "dataset": dataset}))
+    cap = cap or [False] * len(correct)
+    proposers = ["base", "helper"] if helper else ["base"]
+    owners = {"entropy": ["base"], "gzip": ["base"]} if pruners else {}
+    records = []
+    for i, ok in enumerate(correct):
+        counts = {"base": steps - (helper_steps if helper else 0)}
+        if helper:
+            counts["helper"] = helper_steps
+        records.append({
+            "id": IDS[i], "question": "q", "gold": "1", "prediction": "1" if ok else "2", "correct": ok,
+            "steps": [{"text": "s", "source": src, "score": 0.5} for src, k in counts.items() for _ in range(k)],
+            "step_counts": counts, "output_tokens": 10 * steps,
+            "tokens_generated": {"base": 100.0, **({"helper": 50.0} if helper else {})},
+            "candidates": {"base": 10 * n, **({"helper": 10 * n} if helper else {})},
+            "pruned": {"entropy": 2, "gzip": 1} if pruners else {},
+            "finish": "cap_tokens" if cap[i] else "answer", "degenerate": bool(cap[i] and not ok), "seconds": 1.0})
+    (path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    if metrics:
+        from kvflow.runtime.results import compute_metrics
+
+        (path / "metrics.json").write_text(json.dumps(compute_metrics(records, proposers, owners)))
+    return path
+
+
+def _table(tables, name):
+    (t,) = [t for t in tables if t.name == name]
+    return t
+
+
+def test_run_properties(tmp_path):
+    rescue = load_run(make_run(tmp_path, "rescue", [True] * 8 + [False] * 2))
+    assert (rescue.variant, rescue.evictor, rescue.budget, rescue.n, rescue.full_kv) == (
+        "interleave + early exit", "rkv", 64, 8, False)
+    assert rescue.metrics["accuracy"] == 0.8 and rescue.complete
+    bon = load_run(make_run(tmp_path, "bon", [True] * 5 + [False] * 5, helper=False, pruners=False))
+    assert bon.variant == "best-of-N"
+    assert load_run(make_run(tmp_path, "ee", [True], helper=False)).variant == "early exit"
+    assert load_run(make_run(tmp_path, "il", [True], pruners=False)).variant == "interleave"
+    full = load_run(make_run(tmp_path, "full", [True], evictor="none", helper=False, pruners=False))
+    assert full.full_kv and full.budget is None and full.method == "best-of-N / full KV"
+
+
+def test_metrics_recomputed_for_an_unfinished_run(tmp_path):
+    path = make_run(tmp_path, "partial", [True, False, True, True], metrics=False)
+    with open(path / "samples.jsonl", "a") as f:
+        f.write('{"id": "gsm8k/9", "corr')  # torn tail: ignored, file untouched
+    size = (path / "samples.jsonl").stat().st_size
+    run = load_run(path)
+    assert not run.complete and run.metrics["n_problems"] == 4 and run.metrics["accuracy"] == 0.75
+    assert (path / "samples.jsonl").stat().st_size == size  # report never writes into a run
+
+
+def test_corrupt_middle_line_is_an_error(tmp_path):
+    path = make_run(tmp_path, "bad", [True, True, True])
+    lines = (path / "samples.jsonl").read_text().splitlines()
+    lines[1] = lines[1][:20]
+    (path / "samples.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(UserError, match="corrupt record"):
+        read_samples(path / "samples.jsonl")
+
+
+def _runs(tmp_path):
+    root = tmp_path / "results"
+    make_run(root, "bon_b64", [True] * 5 + [False] * 5, helper=False, pruners=False,
+             cap=[False] * 5 + [True] * 3 + [False] * 2, steps=12)
+    make_run(root, "ee_b64", [True] * 6 + [False] * 4, helper=False, steps=8)
+    make_run(root, "il_b64", [True] * 7 + [False] * 3, pruners=False, steps=5, helper_steps=2)
+    make_run(root, "rescue_b64", [True] * 8 + [False] * 2, steps=4, helper_steps=1)
+    make_run(root, "rescue_b128", [True] * 9 + [False], budget=128, steps=4, helper_steps=1)
+    make_run(root, "rescue_b64_n4", [True] * 7 + [False] * 3, n=4, steps=4, helper_steps=2)
+    make_run(root, "full", [True] * 9 + [False], evictor="none", helper=False, pruners=False)
+    return root
+
+
+def test_report_tables_and_files(tmp_path):
+    root = _runs(tmp_path)
+    out = tmp_path / "report"
+    lines: list[str] = []
+    tables = report_command([str(root / "*")], out=out, echo=lines.append)
+    md = lines[0]
+    assert md.startswith("# kvflow report") and "7 run(s)" in md and "gsm8k offset=0 limit=10" in md
+
+    runs = _table(tables, "runs")
+    row = dict(zip(runs.columns, next(r for r in runs.rows if r[0].startswith("rescue_b64__"))))
+    assert row["accuracy"] == 0.8 and row["mean steps"] == 4 and row["tokens: helper"] == 50.0
+    assert row["step share: helper"] == 0.25 and row["early-exit fraction"] == pytest.approx(3 / 80)
+    assert row["pruned: entropy"] == pytest.approx(2 / 80)
+    bon = dict(zip(runs.columns, next(r for r in runs.rows if r[0].startswith("bon_b64__"))))
+    assert bon["degeneration rate"] == 0.3 and bon["step share: helper"] is None
+
+    acc = _table(tables, "accuracy_vs_budget")
+    assert acc.columns == ["method", "N", "B=64", "B=128", "full KV"]
+    by_method = {(r[0], r[1]): r[2:] for r in acc.rows}
+    assert by_method[("interleave + early exit / rkv", 8)] == [0.8, 0.9, None]
+    assert by_method[("interleave + early exit / rkv", 4)] == [0.7, None, None]
+    assert by_method[("best-of-N / full KV", 8)] == [None, None, 0.9]
+
+    abl = _table(tables, "ablation")
+    assert abl.rows[0][:3] == ["64", 4, "interleave + early exit"]  # grouped by budget, then N
+    assert [r[2] for r in abl.rows if r[:2] == ["64", 8]] == [
+        "best-of-N", "early exit", "interleave", "interleave + early exit"]
+    assert abl.rows[-1][2] == "best-of-N (full KV)"
+
+    cost = _table(tables, "decode_cost")
+    il = dict(zip(cost.columns, next(r for r in cost.rows if r[0].startswith("il_b64__"))))
+    assert (il["base tokens"], il["helper tokens"], il["total tokens"], il["mean steps"]) == (100.0, 50.0, 150.0, 5)
+
+    share = _table(tables, "step_share")
+    assert {(r[0], r[1]) for r in share.rows} == {(8, "64"), (8, "128"), (4, "64")}
+    n4 = next(r for r in share.rows if r[0] == 4)
+    assert n4[share.columns.index("share: helper")] == 0.5
+
+    names = {p.name for p in out.iterdir()}
+    assert {"report.md", "runs.csv", "accuracy_vs_budget.csv", "decode_cost.csv", "ablation.csv", "step_share.csv",
+            "accuracy_vs_budget.png", "step_share.png", "decode_cost.png"} <= names
+    for png in out.glob("*.png"):
+        assert png.read_bytes()[:4] == b"\x89PNG"
+    rows = list(csv.DictReader(io.StringIO((out / "accuracy_vs_budget.csv").read_text())))
+    assert rows[0]["method"] and "B=64" in rows[0]
+    assert "![accuracy_vs_budget](accuracy_vs_budget.png)" in (out / "report.md").read_text()
+    assert "| run | variant |" in md and "80.0%" in md
+
+
+def test_oracle_analysis(tmp_path):
+    root = tmp_path / "r"
+    # evicted right on 0-3, helper right on 2-5: oracle right on 0-5; full right on 0-7
+    ev = make_run(root, "evicted", [i < 4 for i in range(10)], helper=False, pruners=False)
+    hp = make_run(root, "helper", [2 <= i < 6 for i in range(10)], evictor="none", helper=False, pruners=False)
+    fl = make_run(root, "full", [i < 8 for i in range(10)], evictor="none", helper=False, pruners=False)
+    rescue = make_run(root, "rescue", [i < 7 for i in range(10)])
+    tables = report_command([str(rescue)], oracle_evicted=str(ev), oracle_helper=str(hp), oracle_full=str(fl),
+                            echo=lambda s: None)
+    t = _table(tables, "oracle")
+    rows = {r[0]: r for r in t.rows}
+    assert rows["evicted base"][1] == 0.4 and rows["full-KV helper"][1] == 0.4
+    assert rows["oracle (evicted or helper)"][1] == 0.6
+    assert rows["oracle (evicted or helper)"][2] == pytest.approx((0.6 - 0.4) / (0.8 - 0.4))  # 50% of the gap
+    assert rows["full-KV base"][1] == 0.8
+    assert rows["interleave + early exit (64)"][2] == pytest.approx(0.75)  # (0.7-0.4)/(0.8-0.4)
+    assert "Oracle analysis (10 common problems)" in t.markdown()
+    with pytest.raises(UserError, match="--oracle-helper"):
+        report_command([], oracle_evicted=str(ev), echo=lambda s: None)
+
+
+def test_mixed_problem_sets_are_refused(tmp_path, cli):
+    root = tmp_path / "r"
+    a = make_run(root, "a", [True, False])
+    b = make_run(root, "b", [True, False, True], dataset={"name": "gsm8k", "limit": 3, "offset": 0})
+    c = make_run(root, "c", [True, False], dataset={"name": "gsm8k", "limit": 2, "offset": 5})
+    d = make_run(root, "d", [True, False], dataset={"name": "math500", "limit": 2, "offset": 0})
+    for other in (b, c, d):
+        res = cli("report", a, other)
+        assert res.exit_code == 2, res.output
+        assert "different problem sets" in res.stderr and "--allow-mixed" in res.stderr
+        assert "Traceback" not in res.output
+    res = cli("report", a, b, c, "--allow-mixed")
+    assert res.exit_code == 0 and "limit=3" in res.stdout
+
+
+def test_cli_errors_and_csv(tmp_path, cli):
+    res = cli("report", tmp_path / "nothing-here")
+    assert res.exit_code == 2 and "no such results directory" in res.stderr
+    (tmp_path / "plain").mkdir()
+    assert "not a results directory" in cli("report", tmp_path / "plain").stderr
+    assert cli("report").exit_code == 2
+    run = make_run(tmp_path / "r", "one", [True, False])
+    res = cli("report", run, "--csv")
+    assert res.exit_code == 0
+    (row,) = list(csv.DictReader(io.StringIO(res.stdout)))
+    assert row["accuracy"] == "0.5" and row["variant"] == "interleave + early exit"
+    assert load_runs([str(tmp_path / "r")])[0].label == run.name  # a parent dir expands to its runs
+
+
+def test_report_import_is_light():
+    import subprocess
+    import sys
+
+    code = ("import sys, kvflow.cli, kvflow.report; "
+            "assert not {'torch', 'transformers', 'matplotlib'} & set(sys.modules), 'heavy import'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
