@@ -291,14 +291,16 @@ def calibrate(
         reports, where = run_calibrate(results_dir, bins=bins, out=out, plots=plots, directions=dirs)
         from rich.table import Table
 
-        fmt = lambda v: "-" if v is None else f"{v:.4g}"  # noqa: E731
-        table = Table(title=f"signals in {results_dir}", title_justify="left")
-        for col in ("signal", "flags when", "candidates", "pruned by it", "main mode", "second mode",
-                    "proposed", "configured", "would stop"):
-            table.add_column(col)
+        fmt = lambda v: "-" if v is None else f"{v:.3g}"  # noqa: E731
+        table = Table(title=f"signals in {results_dir} (one value per candidate: max if it flags high, "
+                      "min if low)", title_justify="left")
+        table.add_column("signal", no_wrap=True)
+        for col in ("flags", "n", "pruned", "modes", "proposed", "configured", "stops"):
+            table.add_column(col, no_wrap=col == "modes")
         for r in reports:
-            table.add_row(r.name, r.direction, str(r.n), str(r.outcomes.count("pruned here")), fmt(r.modes[0]),
-                          fmt(r.modes[1]), fmt(r.threshold) if r.threshold is not None else "- (unimodal)",
+            table.add_row(r.name, r.direction, str(r.n), str(r.outcomes.count("pruned here")),
+                          f"{fmt(r.modes[0])} / {fmt(r.modes[1])}",
+                          fmt(r.threshold) if r.threshold is not None else "- (unimodal)",
                           fmt(r.configured), "-" if r.flagged_fraction is None else f"{r.flagged_fraction:.1%}")
         _console().print(table)
         typer.echo(f"wrote {where}")

@@ -58,9 +58,16 @@ class RKVParams(EvictorParams):
     _odd_kernel = field_validator("kernel")(odd_kernel)
 
 
+_SIM_BYTES = 256 << 20  # similarity matrices held at once; larger batches are scored in row chunks
+
+
 def redundancy(keys, lengths, threshold: float):
     """R-KV's redundancy: [rows, kv_heads, N] float32, a softmax over each row's L tokens."""
     rows, kv_heads, n, _ = keys.shape
+    chunk = max(1, _SIM_BYTES // (kv_heads * n * n * 4))
+    if rows > chunk:
+        return torch.cat([redundancy(keys[i: i + chunk], lengths[i: i + chunk], threshold)
+                          for i in range(0, rows, chunk)])
     k = keys.float()
     k = k / (k.norm(dim=-1, keepdim=True) + 1e-8)
     sim = torch.matmul(k, k.transpose(-1, -2))  # [rows, kv, N, N]

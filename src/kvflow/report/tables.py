@@ -73,7 +73,10 @@ def runs_table(runs: Sequence[Run]) -> Table:
             "mean steps", "mean output tokens"]
     cols += [f"tokens: {s}" for s in sources] + [f"step share: {s}" for s in sources]
     cols += [f"pruned: {p}" for p in pruners] + ["early-exit fraction"]
-    t = Table("runs", "Runs", cols, percent={"accuracy", "degeneration rate", "early-exit fraction"}
+    with_recovery = any(r.metrics.get("recovery") is not None for r in runs)
+    if with_recovery:
+        cols.append("recovery")  # from run.baselines (metrics.json), when the run had them
+    t = Table("runs", "Runs", cols, percent={"accuracy", "degeneration rate", "early-exit fraction", "recovery"}
               | {f"step share: {s}" for s in sources} | {f"pruned: {p}" for p in pruners})
     for r in runs:
         m = r.metrics
@@ -83,6 +86,8 @@ def runs_table(runs: Sequence[Run]) -> Table:
         row += [(m.get("step_share") or {}).get(s) if s in r.proposers else None for s in sources]
         row += [(m.get("pruned_fraction") or {}).get(p) for p in pruners]
         row.append(m.get("early_exit_fraction"))
+        if with_recovery:
+            row.append(m.get("recovery"))
         t.rows.append(row)
     return t
 

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import datetime as _dt
 import platform
+import signal
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -95,7 +98,9 @@ def _decode(loaded: LoadedPipeline, registry, store: ResultsDir, todo, quiet: bo
             problem = by_id[traj.problem_id]
             prediction = extract_answer(traj.text)
             correct = bool(prediction is not None and grader.grade(prediction, problem.gold))
-            store.append(_record(traj, problem, prediction, correct, time.time() - started[traj.problem_id], plan))
+            record = _record(traj, problem, prediction, correct, time.time() - started[traj.problem_id], plan)
+            with _sigint_deferred():  # Ctrl-C lands after the line is written, never inside it
+                store.append(record)
             progress.advance(correct)
 
         size = pipe.run.batch_problems
@@ -107,6 +112,24 @@ def _decode(loaded: LoadedPipeline, registry, store: ResultsDir, todo, quiet: bo
                 trajs.append(Trajectory(p.id, p.question, prompt))
                 started[p.id] = time.time()
             run_batch(plan, trajs, on_done)
+
+
+@contextmanager
+def _sigint_deferred():
+    """Hold Ctrl-C (SIGINT) while a record is appended; if one came, it is acted on (normally
+    KeyboardInterrupt) right after the line is complete. SIGKILL cannot be held: for that,
+    ResultsDir.load cuts a torn last line."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if pending and callable(previous):
+            previous(signal.SIGINT, None)
 
 
 def _record(traj, problem, prediction, correct: bool, seconds: float, plan) -> dict:

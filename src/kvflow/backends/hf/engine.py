@@ -60,9 +60,11 @@ class HFRunner:
         """
         if any(len(p) == 0 for p in prompts):
             raise ValueError("empty prompt")
+        # protection is set before ingesting: a prompt longer than budget + buffer is compacted
+        # while it is ingested, and its first tokens (slots 0..n-1) must survive that too
+        cache.rows.n_protected = torch.as_tensor([cache.evictor.n_protected(len(p) - 1) for p in prompts],
+                                                 dtype=torch.long)
         self.ingest(cache, [p[:-1] for p in prompts])
-        lengths = torch.as_tensor([len(p) - 1 for p in prompts], dtype=torch.long)
-        cache.rows.n_protected = torch.as_tensor([cache.evictor.n_protected(int(n)) for n in lengths], dtype=torch.long)
         return torch.as_tensor([p[-1] for p in prompts], dtype=torch.long)
 
     # ------------------------------------------------------------------ forward passes
