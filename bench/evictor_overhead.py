@@ -3,7 +3,8 @@
 Three measurements, printed as markdown tables (and optionally saved as JSON):
 
 A. decode throughput per evictor and budget vs `none`: greedy decoding of `--tokens` tokens
-   for `--batch` rows through `HFRunner.forward`, with the compaction time split out
+   for `--batch` rows through `HFRunner.forward`, every configuration advancing one step in
+   turn (so load from other processes hits all alike), with the compaction time split out
    (compaction ms per event, decode step ms without compactions), the peak resident KV bytes
    per sequence, the KV bytes allocated per sequence, and the evictor's own state (query
    buffer, H2O statistic) per sequence;
@@ -123,9 +124,11 @@ def state_bytes(cache) -> int:
 # --------------------------------------------------------------------------- A. decode throughput
 
 
-def decode_run(runner, evictor, prompts, steps):
+def start_run(runner, evictor, prompts):
+    """A prefilled cache whose compactions are timed: (cache, pending, {"n", "s"})."""
     cache = runner.new_cache(evictor, len(prompts), list(range(len(prompts))))
-    pending = runner.prefill(cache, prompts)
+    with torch.inference_mode():
+        pending = runner.prefill(cache, prompts)
     comp = {"n": 0, "s": 0.0}
     original = cache.compact
 
@@ -138,47 +141,54 @@ def decode_run(runner, evictor, prompts, steps):
         comp["s"] += time.perf_counter() - t
 
     cache.compact = timed_compact
-    peak = 0
-    sync(runner.device)
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        for _ in range(steps):
-            peak = max(peak, int(cache.rows.lengths.max()) + 1)
-            pending = runner.forward(cache, pending[:, None]).argmax(-1)
-    sync(runner.device)
-    total = time.perf_counter() - t0
-    return cache, total, comp, peak
+    return cache, pending, comp
 
 
 def part_a(runner, args, out):
+    """All configurations decode in lockstep (one step of each in turn), so that a busy machine
+    slows them alike and the ratios stay meaningful."""
     layers, _, kv_heads, head_dim = kv_shape(runner.model)
     elem = torch.finfo(getattr(torch, args.dtype)).bits // 8
     per_token = layers * kv_heads * head_dim * 2 * elem
     prompts = make_prompts(runner, args.batch, args.prompt_tokens)
-    rows = []
-    base_tps = None
+    runs = []
     for name in args.evictors:
         for budget in ([None] if name == "none" else args.budgets):
-            ev = make_evictor(name, budget, args)
-            cache, total, comp, peak = decode_run(runner, ev, prompts, args.tokens)
-            tps = args.batch * args.tokens / total
-            if name == "none":
-                base_tps = tps
-            step_ms = (total - comp["s"]) / args.tokens * 1e3
-            rows.append(dict(
-                evictor=name, budget=budget, decode_s=round(total, 2), tok_per_s=round(tps, 2),
-                vs_none=round(tps / base_tps, 3) if base_tps else None,
-                step_ms_no_compaction=round(step_ms, 1), compactions=comp["n"],
-                compaction_ms=round(comp["s"] / comp["n"] * 1e3, 1) if comp["n"] else None,
-                compaction_share=round(comp["s"] / total, 3),
-                peak_tokens=peak, peak_kv_bytes_per_seq=peak * per_token,
-                allocated_kv_bytes_per_seq=cache.resident_bytes() // args.batch,
-                evictor_state_bytes_per_seq=state_bytes(cache) // args.batch,
-            ))
-            print(f"  A {name:9s} budget={budget}: {tps:.2f} tok/s, {comp['n']} compactions", file=sys.stderr)
+            cache, pending, comp = start_run(runner, make_evictor(name, budget, args), prompts)
+            runs.append(dict(name=name, budget=budget, cache=cache, pending=pending, comp=comp, s=0.0, peak=0))
+    print(f"  A: {len(runs)} caches prefilled", file=sys.stderr)
+    with torch.inference_mode():
+        for step in range(args.tokens):
+            for run in runs:
+                cache = run["cache"]
+                run["peak"] = max(run["peak"], int(cache.rows.lengths.max()) + 1)
+                sync(runner.device)
+                t = time.perf_counter()
+                run["pending"] = runner.forward(cache, run["pending"][:, None]).argmax(-1)
+                sync(runner.device)
+                run["s"] += time.perf_counter() - t
+            if (step + 1) % 16 == 0:
+                print(f"  A: step {step + 1}/{args.tokens}", file=sys.stderr)
+    rows = []
+    base_tps = None
+    for run in runs:
+        total, comp, cache = run["s"], run["comp"], run["cache"]
+        tps = args.batch * args.tokens / total
+        if run["name"] == "none":
+            base_tps = tps
+        rows.append(dict(
+            evictor=run["name"], budget=run["budget"], decode_s=round(total, 2), tok_per_s=round(tps, 2),
+            vs_none=round(tps / base_tps, 3) if base_tps else None,
+            step_ms_no_compaction=round((total - comp["s"]) / args.tokens * 1e3, 1), compactions=comp["n"],
+            compaction_ms=round(comp["s"] / comp["n"] * 1e3, 1) if comp["n"] else None,
+            compaction_share=round(comp["s"] / total, 3),
+            peak_tokens=run["peak"], peak_kv_bytes_per_seq=run["peak"] * per_token,
+            allocated_kv_bytes_per_seq=cache.resident_bytes() // args.batch,
+            evictor_state_bytes_per_seq=state_bytes(cache) // args.batch,
+        ))
     out["A"] = rows
     print(f"\n### A. Decode throughput ({args.batch} rows x {args.tokens} tokens, prompt {args.prompt_tokens}, "
-          f"buffer {args.buffer}, window {args.window})\n")
+          f"buffer {args.buffer}, window {args.window}; all configurations in lockstep)\n")
     print("| evictor | budget | tok/s | vs none | step ms (no compaction) | compactions | ms / compaction "
           "| peak KV / seq | allocated KV / seq | evictor state / seq |")
     print("|---|---|---|---|---|---|---|---|---|---|")

@@ -81,3 +81,11 @@ def run_kvflow(*args: str, pythonpath: Path | None = None, env: dict | None = No
     full_env.update(env or {})
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
                           env=full_env, cwd=cwd or REPO, timeout=120)
+
+
+def pytest_configure(config):
+    # Tiny models gain nothing from a second thread, and on a shared 2-core machine torch's
+    # spinning worker threads slow them ~10x. Subprocess runs (e2e) keep the default.
+    import torch
+
+    torch.set_num_threads(1)

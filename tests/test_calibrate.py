@@ -77,6 +77,7 @@ def test_per_candidate_statistic_follows_the_flag_direction():
     assert reports["entropy"].values == [3.0] and reports["entropy"].outcomes == ["pruned here"]
     assert reports["gzip"].values == [0.2] and reports["gzip"].outcomes == ["pruned by another"]
     assert reports["mine"].values == [1.0] and reports["mine"].direction == "low"
+    assert reports["entropy"].threshold is None and reports["entropy"].note == "too few candidates"
 
 
 def test_configured_thresholds_use_runtime_pruner_names():

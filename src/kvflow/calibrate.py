@@ -18,7 +18,8 @@ Valley rule: a histogram of the values with `bins` equal bins over [min, max], s
 a 3-bin moving average. The main mode is the highest bin; the second mode is the local
 maximum with the deepest dip (its height minus the lowest bin between it and the main mode);
 the proposed threshold is the centre of that lowest bin (the middle one on ties). With no
-dip at all the distribution is unimodal and no threshold is proposed.
+dip at all the distribution is unimodal and no threshold is proposed; nor is one with fewer
+than `MIN_CANDIDATES` (20) candidates.
 
 Outputs: a table (printed by the CLI), ``calibrate.json`` and one histogram PNG per signal
 (candidates stacked by outcome, proposed threshold solid, configured threshold dashed).
@@ -39,6 +40,8 @@ from kvflow.runtime.results import CONFIG, SAMPLES, ResultsDir
 
 #: direction a pruner kind flags in: "high" = stop when the signal exceeds the threshold
 DIRECTIONS = {"entropy": "high", "gzip": "low"}
+#: fewer candidates than this and no threshold is proposed (a histogram of a handful is noise)
+MIN_CANDIDATES = 20
 
 
 @dataclass
@@ -51,6 +54,7 @@ class SignalReport:
     modes: tuple[Optional[float], Optional[float]]
     configured: Optional[float]  # the run's threshold, when its config names it
     flagged_fraction: Optional[float]  # share of candidates the proposed threshold would stop
+    note: str = ""  # why no threshold: "unimodal" | "too few candidates"
 
     @property
     def n(self) -> int:
@@ -141,11 +145,14 @@ def analyse(records: Sequence[dict], *, bins: int = 40, directions: Optional[dic
     for name, (values, outcomes) in sorted(per.items()):
         direction = directions.get(name, directions.get(kind_of(name), "high"))
         threshold, modes = valley_threshold(values, bins)
+        note = "" if threshold is not None else "unimodal"
+        if len(values) < MIN_CANDIDATES:
+            threshold, note = None, "too few candidates"
         flagged = None
         if threshold is not None:
             flagged = sum((v > threshold) if direction == "high" else (v < threshold) for v in values) / len(values)
         reports.append(SignalReport(name, direction, values, outcomes, threshold, modes,
-                                    (configured or {}).get(name), flagged))
+                                    (configured or {}).get(name), flagged, note))
     return reports
 
 

@@ -300,7 +300,7 @@ def calibrate(
         for r in reports:
             table.add_row(r.name, r.direction, str(r.n), str(r.outcomes.count("pruned here")),
                           f"{fmt(r.modes[0])} / {fmt(r.modes[1])}",
-                          fmt(r.threshold) if r.threshold is not None else "- (unimodal)",
+                          fmt(r.threshold) if r.threshold is not None else f"- ({r.note})",
                           fmt(r.configured), "-" if r.flagged_fraction is None else f"{r.flagged_fraction:.1%}")
         _console().print(table)
         typer.echo(f"wrote {where}")
