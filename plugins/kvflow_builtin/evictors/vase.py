@@ -44,7 +44,7 @@ from pydantic import Field, field_validator
 
 from kvflow._lazy import torch
 from kvflow.components.base import Evictor, EvictorParams
-from kvflow_builtin.evictors._common import attention_signal, odd_kernel, row_uniforms, valid_slots
+from kvflow_builtin.evictors._common import attention_signal, odd_kernel, row_uniforms
 
 LARGE = 1e35
 ZERO_SIGNAL = -1e30
