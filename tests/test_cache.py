@@ -12,14 +12,6 @@ from kvflow_builtin.evictors.none import NoEviction
 from kvflow_builtin.evictors.snapkv import SnapKVEvictor
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 class _FullWithQueries(NoEviction):
     """Full KV that still buffers the last 4 queries (to test the buffer without eviction)."""
 

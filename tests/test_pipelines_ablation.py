@@ -21,14 +21,6 @@ from kvflow.testing import tiny_runner, tiny_tokenizer
 from kvflow_builtin.evictors.none import NoEviction
 from kvflow_builtin.evictors.random import RandomEvictor
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from threads, and on a shared machine they lose a lot."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 PIPES = REPO / "pipelines"
 QUESTIONS = ["How many clips did Natalia sell?", "Natalia sold 48 clips in April. How many in May?"]

@@ -18,14 +18,6 @@ from kvflow_builtin.scorers._steps import aggregate, normalise_step, steps_for
 from kvflow_builtin.scorers.llm_judge import LLMJudgeScorer, judge_messages
 from kvflow_builtin.scorers.prm import QWEN_SYSTEM, QWEN_TAG, PRMScorer, QwenPRMFormat, ShepherdFormat
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from threads, and on a shared machine they lose a lot."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 QUESTION = "Natalia sold 48 clips in April and half as many in May. How many clips did she sell?"
 STEPS = ["In May she sold 48 / 2 = 24 clips.\n\n", "Altogether she sold 48 + 24 = 72 clips.\n\n"]

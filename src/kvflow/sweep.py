@@ -21,6 +21,7 @@ from typing import Callable, Iterable, Optional, Sequence
 
 from kvflow.config.loader import format_path, parse_path
 from kvflow.errors import ConfigProblem, UserError
+from kvflow.runtime.progress import Progress
 
 SWEEP_FILE = "<--sweep>"
 
@@ -170,7 +171,7 @@ def run_sweep(file, sweeps: Sequence[str], *, sets: Sequence[str] = (), unsets: 
     say(f"sweep: {total} point(s) over {', '.join(a.path for a in axes)}")
     code = 0
     rows = []
-    with _Bar(total) as bar:
+    with Progress(total, title="sweep") as bar:
         for i, point in enumerate(points, 1):
             path = runner.results_path(point.loaded)
             status = "skipped (complete)" if not force and _complete(point.loaded) else None
@@ -214,31 +215,3 @@ def _print_summary(rows) -> None:
         acc = f"{m['accuracy']:.1%} ({m.get('n_correct', 0)}/{m.get('n_problems', 0)})" if "accuracy" in m else "–"
         table.add_row(point.label, status, acc, str(path))
     Console(highlight=False).print(table)
-
-
-class _Bar:
-    """One progress bar over the sweep's points (stderr, only on a terminal)."""
-
-    def __init__(self, total: int) -> None:
-        self._bar = None
-        if sys.stderr.isatty():
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self._bar = Progress(TextColumn("[bold]sweep"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("{task.fields[point]}"), TimeElapsedColumn(),
-                                 console=Console(stderr=True), transient=False)
-            self._task = self._bar.add_task("sweep", total=total, point="")
-
-    def __enter__(self) -> "_Bar":
-        if self._bar is not None:
-            self._bar.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._bar is not None:
-            self._bar.stop()
-
-    def update(self, done: int, label: str) -> None:
-        if self._bar is not None:
-            self._bar.update(self._task, completed=done, point=label)

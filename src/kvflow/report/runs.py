@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import glob
 import json
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional
@@ -23,6 +22,7 @@ from typing import Any, Iterable, Optional
 import yaml
 
 from kvflow.errors import ConfigProblem, UserError
+from kvflow.runtime.results import read_samples as _read_samples
 
 CONFIG, MANIFEST, SAMPLES, METRICS = "config.resolved.yaml", "manifest.json", "samples.jsonl", "metrics.json"
 
@@ -120,32 +120,8 @@ def _default_param(kind: str, name: str, param: str) -> Any:
 
 
 def read_samples(path: Path) -> list[dict]:
-    """Records of a samples.jsonl, read-only: a torn last line is skipped with a warning, a
-    corrupt line elsewhere or a duplicated id is a UserError."""
-    if not path.exists():
-        return []
-    lines = path.read_bytes().split(b"\n")
-    records = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-            if not isinstance(rec, dict) or "id" not in rec:
-                raise ValueError("not a sample record")
-        except ValueError as exc:
-            if i == len(lines) - 1:
-                print(f"kvflow: {path}: ignoring an incomplete last line (run still in progress or killed)",
-                      file=sys.stderr)
-                break
-            raise UserError(ConfigProblem(str(path), i + 1, "samples", f"corrupt record: {exc}",
-                                          "remove or fix the line, or rerun with --force")) from None
-        records.append(rec)
-    seen: set = set()
-    dupes = [r["id"] for r in records if r["id"] in seen or seen.add(r["id"])]
-    if dupes:
-        raise UserError(ConfigProblem(str(path), 0, "samples", f"duplicate records for {dupes[:5]}"))
-    return records
+    """Records of a samples.jsonl, read-only (a torn last line is skipped with a warning)."""
+    return _read_samples(path)
 
 
 def _pruner_owners(config: dict) -> dict[str, list[str]]:

@@ -1,4 +1,5 @@
-"""A progress bar on stderr, shown only when stderr is a terminal (logs and CI stay clean)."""
+"""A progress bar on stderr, shown only when stderr is a terminal (logs and CI stay clean).
+Used for a run's problems and for a sweep's points."""
 
 from __future__ import annotations
 
@@ -6,19 +7,16 @@ import sys
 
 
 class Progress:
-    def __init__(self, total: int, *, enabled: bool = True) -> None:
-        self.total = total
-        self.correct = 0
-        self.done = 0
+    def __init__(self, total: int, *, title: str = "problems", enabled: bool = True) -> None:
         self._bar = None
         if enabled and sys.stderr.isatty():
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
 
-            self._bar = RichProgress(TextColumn("[bold]problems"), BarColumn(), MofNCompleteColumn(),
-                                     TextColumn("{task.fields[acc]}"), TimeElapsedColumn(),
+            self._bar = RichProgress(TextColumn(f"[bold]{title}"), BarColumn(), MofNCompleteColumn(),
+                                     TextColumn("{task.fields[status]}"), TimeElapsedColumn(),
                                      console=Console(stderr=True), transient=False)
-            self._task = self._bar.add_task("run", total=total, acc="")
+            self._task = self._bar.add_task(title, total=total, status="")
 
     def __enter__(self) -> "Progress":
         if self._bar is not None:
@@ -29,8 +27,6 @@ class Progress:
         if self._bar is not None:
             self._bar.stop()
 
-    def advance(self, correct: bool) -> None:
-        self.done += 1
-        self.correct += bool(correct)
+    def update(self, done: int, status: str = "") -> None:
         if self._bar is not None:
-            self._bar.update(self._task, advance=1, acc=f"acc {self.correct}/{self.done}")
+            self._bar.update(self._task, completed=done, status=status)

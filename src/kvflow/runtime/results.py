@@ -51,42 +51,8 @@ class ResultsDir:
         _atomic_write(path, json.dumps(manifest, indent=2))
 
     def load(self) -> list[dict]:
-        """Records written so far; a torn last line (killed mid-write) is cut off."""
-        if not self.samples.exists():
-            return []
-        data = self.samples.read_bytes()
-        records, good_end, lines = [], 0, data.split(b"\n")
-        for i, line in enumerate(lines):
-            last = i == len(lines) - 1
-            if not line.strip():
-                if not last:
-                    good_end += len(line) + 1
-                continue
-            try:
-                rec = json.loads(line)
-                if not isinstance(rec, dict) or "id" not in rec:
-                    raise ValueError("not a sample record")
-            except ValueError as exc:
-                if last:  # torn tail: the process died while writing it
-                    print(f"kvflow: {self.samples}: cutting off an incomplete last line ({len(line)} bytes)",
-                          file=sys.stderr)
-                    with open(self.samples, "r+b") as f:
-                        f.truncate(good_end)
-                    break
-                raise UserError([ConfigProblem(str(self.samples), i + 1, "samples", f"corrupt record: {exc}",
-                                               "remove or fix the line, or rerun with --force")]) from None
-            if last:  # complete JSON without its newline: keep it, finish the line
-                with open(self.samples, "ab") as f:
-                    f.write(b"\n")
-            else:
-                good_end += len(line) + 1
-            records.append(rec)
-        ids = [r["id"] for r in records]
-        dupes = [k for k, v in Counter(ids).items() if v > 1]
-        if dupes:
-            raise UserError([ConfigProblem(str(self.samples), 0, "samples", f"duplicate records for {dupes[:5]}",
-                                           "rerun with --force")])
-        return records
+        """Records written so far; a torn last line (killed mid-write) is cut off the file."""
+        return read_samples(self.samples, repair=True)
 
     def append(self, record: dict) -> None:
         line = json.dumps(record, ensure_ascii=False) + "\n"
@@ -101,6 +67,46 @@ class ResultsDir:
     def metrics(self) -> Optional[dict]:
         path = self.path / METRICS
         return json.loads(path.read_text()) if path.exists() else None
+
+
+def read_samples(path: Path, *, repair: bool = False) -> list[dict]:
+    """Records of a samples.jsonl. A torn last line is what a killed run leaves: it is skipped
+    with a warning, and with `repair` also cut off the file (a complete last record missing
+    only its newline gets the newline). A corrupt line elsewhere, or an id recorded twice, is
+    a UserError: never silently merged."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    lines = path.read_bytes().split(b"\n")
+    records, good_end = [], 0
+    for i, line in enumerate(lines):
+        last = i == len(lines) - 1
+        if line.strip():
+            try:
+                rec = json.loads(line)
+                if not isinstance(rec, dict) or "id" not in rec:
+                    raise ValueError("not a sample record")
+            except ValueError as exc:
+                if not last:
+                    raise UserError([ConfigProblem(str(path), i + 1, "samples", f"corrupt record: {exc}",
+                                                   "remove or fix the line, or rerun with --force")]) from None
+                action = "cutting off" if repair else "ignoring"
+                print(f"kvflow: {path}: {action} an incomplete last line ({len(line)} bytes)", file=sys.stderr)
+                if repair:
+                    with open(path, "r+b") as f:
+                        f.truncate(good_end)
+                break
+            records.append(rec)
+            if last and repair:
+                with open(path, "ab") as f:
+                    f.write(b"\n")
+        if not last:
+            good_end += len(line) + 1
+    dupes = [k for k, v in Counter(r["id"] for r in records).items() if v > 1]
+    if dupes:
+        raise UserError([ConfigProblem(str(path), 0, "samples", f"duplicate records for {dupes[:5]}",
+                                       "rerun with --force")])
+    return records
 
 
 def _atomic_write(path: Path, text: str) -> None:

@@ -93,6 +93,7 @@ def _decode(loaded: LoadedPipeline, registry, store: ResultsDir, todo, quiet: bo
     by_id = {p.id: p for p in todo}
     with Grader(timeout=pipe.run.grade_timeout) as grader, Progress(len(todo), enabled=not quiet) as progress:
         started: dict[str, float] = {}
+        tally = {"done": 0, "correct": 0}
 
         def on_done(traj: Trajectory) -> None:
             problem = by_id[traj.problem_id]
@@ -101,7 +102,9 @@ def _decode(loaded: LoadedPipeline, registry, store: ResultsDir, todo, quiet: bo
             record = _record(traj, problem, prediction, correct, time.time() - started[traj.problem_id], plan)
             with _sigint_deferred():  # Ctrl-C lands after the line is written, never inside it
                 store.append(record)
-            progress.advance(correct)
+            tally["done"] += 1
+            tally["correct"] += correct
+            progress.update(tally["done"], f"acc {tally['correct']}/{tally['done']}")
 
         size = pipe.run.batch_problems
         for start in range(0, len(todo), size):
