@@ -87,3 +87,20 @@ def test_paper_pipeline_fails_fast_without_its_models(tmp_path):
     assert "Qwen/Qwen2.5-Math-7B-Instruct" in proc.stderr and "quickstart.yaml" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not any(tmp_path.glob("kv_rescue__*"))  # nothing written
+
+
+def test_jsonl_dataset_with_field_mapping(tmp_path):
+    from kvflow.config import load_pipeline
+    from kvflow.errors import UserError
+    from kvflow.runtime.runner import load_dataset
+
+    data = tmp_path / "mine.jsonl"
+    data.write_text('{"q": "1+1?", "a": "2", "key": "x"}\n{"q": "2+2?", "a": "4", "key": "y"}\n')
+    pipe = tmp_path / "p.yaml"
+    pipe.write_text(f"include: {REPO / 'pipelines/quickstart.yaml'}\n"
+                    "dataset: {name: mine, path: mine.jsonl, limit: null, fields: {question: q, answer: a, id: key}}\n")
+    problems = load_dataset(load_pipeline(pipe))
+    assert [(p.id, p.question, p.gold) for p in problems] == [("mine/x", "1+1?", "2"), ("mine/y", "2+2?", "4")]
+    data.write_text('{"q": "1+1?", "a": "2", "key": "x"}\nnot json\n')
+    with pytest.raises(UserError, match="mine.jsonl:2"):
+        load_dataset(load_pipeline(pipe))

@@ -29,8 +29,16 @@ class ComponentRef(BaseModel):
         return dict(self.model_extra or {})
 
 
+class DatasetFields(Frozen):
+    question: str = Field("question", description="Field holding the problem text.")
+    answer: str = Field("answer", description="Field holding the gold answer.")
+    id: Optional[str] = Field(None, description="Field holding a problem id (default: the line index).")
+
+
 class DatasetConfig(Frozen):
-    name: str = Field("gsm8k", description="Built-in dataset name (gsm8k, math500, ...).")
+    name: str = Field("gsm8k", description="Built-in dataset name (gsm8k, math500, ...), or the name of a `path` dataset.")
+    path: Optional[str] = Field(None, description="A JSONL file (relative to the pipeline file) instead of a built-in dataset.")
+    fields: DatasetFields = Field(default_factory=DatasetFields, description="Field mapping of a `path` dataset.")
     limit: Optional[int] = Field(None, ge=1, description="Use only the first `limit` problems (after offset/shuffle).")
     offset: int = Field(0, ge=0, description="Skip this many problems first.")
     shuffle: bool = Field(False, description="Shuffle with `run.seed` before offset/limit.")

@@ -31,13 +31,19 @@ def results_path(loaded: LoadedPipeline) -> Path:
 
 
 def load_dataset(loaded: LoadedPipeline):
-    from kvflow.eval.datasets import DatasetError, load_problems
+    from kvflow.eval.datasets import DatasetError, load_jsonl_problems, load_problems
 
     ds = loaded.pipeline.dataset
+    select = dict(limit=ds.limit, offset=ds.offset, shuffle=ds.shuffle, seed=loaded.pipeline.run.seed)
     try:
-        return load_problems(ds.name, limit=ds.limit, offset=ds.offset, shuffle=ds.shuffle, seed=loaded.pipeline.run.seed)
+        if ds.path is None:
+            return load_problems(ds.name, **select)
+        path = Path(loaded.path).parent / ds.path  # an absolute ds.path stays absolute
+        if not path.is_file():
+            raise UserError(loaded.problem("dataset.path", f"no such file: {path}"))
+        return load_jsonl_problems(path, ds.fields.question, ds.fields.answer, ds.fields.id, name=ds.name, **select)
     except (DatasetError, ValueError) as exc:
-        raise UserError(loaded.problem("dataset.name", str(exc))) from None
+        raise UserError(loaded.problem("dataset.path" if ds.path else "dataset.name", str(exc))) from None
 
 
 def run_pipeline(loaded: LoadedPipeline, *, force: bool = False, registry=None, quiet: bool = False) -> int:
