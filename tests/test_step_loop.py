@@ -122,3 +122,34 @@ def test_helper_rescues_when_base_candidates_are_pruned():
     trajs, _ = run(make_plan([base, helper], max_tokens=24), prompts())
     for t in trajs:
         assert t.steps and all(s.source == "helper" and not s.fallback for s in t.steps)
+
+
+def test_proposers_sharing_a_model_decode_in_one_batch_exactly():
+    """An evicted base and a full helper on one model decode in lockstep (one forward per
+    step for both); the trajectories equal those of separate forwards on a copy of the model."""
+    import copy
+
+    from kvflow.backends.hf.engine import HFRunner
+
+    runner = tiny_runner("llama")
+    evictor = RandomEvictor(RandomEvictor.Params(budget=24, buffer=8, window=4))
+    base = Proposer("base", runner, evictor, spec("base", n=2, temperature=0.7, max_step_tokens=12))
+    joint = [Proposer("helper", runner, NoEviction(NoEviction.Params()), spec("helper", n=2, temperature=0.7, max_step_tokens=12))]
+    apart = [Proposer("helper", HFRunner(copy.deepcopy(runner.model), runner.tokenizer), NoEviction(NoEviction.Params()),
+                      spec("helper", n=2, temperature=0.7, max_step_tokens=12))]
+    calls = []
+    original = HFRunner.decode_joint
+
+    def counting(self, caches, pending):
+        calls.append(len(caches))
+        return original(self, caches, pending)
+
+    HFRunner.decode_joint = counting
+    try:
+        together, _ = run(make_plan([base] + joint, max_tokens=60, seed=5), prompts())
+    finally:
+        HFRunner.decode_joint = original
+    separate, _ = run(make_plan([base] + apart, max_tokens=60, seed=5), prompts())
+    assert calls and set(calls) == {2}
+    assert [(s.text, s.source) for t in together for s in t.steps] == [(s.text, s.source) for t in separate for s in t.steps]
+    assert {s.source for t in together for s in t.steps} == {"base", "helper"}

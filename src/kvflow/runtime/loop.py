@@ -58,10 +58,16 @@ def run_batch(plan: Plan, trajectories: Sequence[Trajectory], on_done: Callable[
     live = list(range(len(trajs)))  # batch rows still decoding; row i of every state is trajs[live[i]]
     while live:
         by_problem: list[list[Candidate]] = [[] for _ in live]
+        room = [plan.limits.max_tokens - trajs[i].committed_tokens for i in live]
+        proposed: dict[str, list[Candidate]] = {}
+        for group in _by_model(plan.proposers):  # proposers on one model decode in one batch
+            jobs = [(states[p.name], p.spec, room,
+                     [decode.row_seed(plan.seed, trajs[i].problem_id, p.name, len(trajs[i].steps)) for i in live])
+                    for p in group]
+            for p, cands in zip(group, decode.propose_together(group[0].runner, jobs)):
+                proposed[p.name] = cands
         for p in plan.proposers:
-            room = [plan.limits.max_tokens - trajs[i].committed_tokens for i in live]
-            seeds = [decode.row_seed(plan.seed, trajs[i].problem_id, p.name, len(trajs[i].steps)) for i in live]
-            for c in decode.propose(p.runner, states[p.name], p.spec, room, seeds):
+            for c in proposed[p.name]:
                 by_problem[c.problem].append(c)
                 traj = trajs[live[c.problem]]
                 traj.tokens_generated[p.name] += c.n_tokens
@@ -103,6 +109,13 @@ def run_batch(plan: Plan, trajectories: Sequence[Trajectory], on_done: Callable[
         live = [live[r] for r in keep]
         if on_round is not None:
             on_round()
+
+
+def _by_model(proposers: Sequence[Proposer]) -> list[list[Proposer]]:
+    groups: dict[int, list[Proposer]] = {}
+    for p in proposers:
+        groups.setdefault(id(p.runner.model), []).append(p)
+    return list(groups.values())
 
 
 def _score(scorer: Scorer, trajs: Sequence[Trajectory], candidates: Sequence[Sequence[Candidate]]) -> None:

@@ -288,3 +288,68 @@ def new_rows(n: int, rng_keys: Sequence[int] | None = None) -> RowState:
     zeros = torch.zeros(n, dtype=torch.long)
     keys = torch.as_tensor(list(rng_keys) if rng_keys is not None else [0] * n, dtype=torch.long)
     return RowState(zeros.clone(), zeros.clone(), zeros.clone(), zeros.clone(), keys, zeros.clone())
+
+
+class JointCache(Cache):
+    """The rows of several `BudgetedCache`s in one forward, for proposers that share a model
+    (an evicted base and a full-context helper on the same checkpoint): a decode step reads
+    the weights once for both. Each part keeps its own storage, evictor and bookkeeping; a
+    layer's update returns the parts' keys and values padded to one span and stacked by row."""
+
+    def __init__(self, parts: Sequence[BudgetedCache]) -> None:
+        self.parts = list(parts)
+        self.splits = [p.n_rows for p in self.parts]
+        self.query_window = max(p.query_window for p in self.parts)
+        self.observes = any(p.observes for p in self.parts)
+        super().__init__(layers=[_JointLayer(self, i) for i in range(len(self.parts[0].layers))])
+
+    def begin_forward(self) -> torch.Tensor:
+        """Plan one decode token per row in every part; returns the joint mask [rows, 1, 1, span]."""
+        ones = [torch.ones(p.n_rows, dtype=torch.long) for p in self.parts]
+        plans = [p.begin_forward(one, 1) for p, one in zip(self.parts, ones)]
+        self.span = max(plan.span for plan in plans)
+        key = torch.arange(self.span)
+        # a decode token attends to every resident slot of its row and to itself
+        masks = [(key[None, :] <= p.rows.lengths[:, None])[:, None, None, :] for p in self.parts]
+        return torch.cat(masks).to(self.parts[0].device)
+
+    def end_forward(self) -> None:
+        for p in self.parts:
+            p.end_forward(torch.ones(p.n_rows, dtype=torch.long))
+
+
+class _JointLayer(CacheLayerMixin):
+    def __init__(self, joint: JointCache, idx: int) -> None:
+        super().__init__()
+        self.joint, self.idx = joint, idx
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # storage lives in the parts
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        span = self.joint.span
+        keys, values = [], []
+        for part, k, v in zip(self.joint.parts, key_states.split(self.joint.splits), value_states.split(self.joint.splits)):
+            pk, pv = part.layers[self.idx].update(k, v)  # [rows_i, kv_heads, span_i, head_dim]
+            keys.append(torch.nn.functional.pad(pk, (0, 0, 0, span - pk.shape[2])))
+            values.append(torch.nn.functional.pad(pv, (0, 0, 0, span - pv.shape[2])))
+        return torch.cat(keys), torch.cat(values)
+
+    def record_queries(self, query: torch.Tensor) -> None:
+        for part, q in zip(self.joint.parts, query.split(self.joint.splits)):
+            if part.query_window:
+                part.layers[self.idx].record_queries(q)
+
+    def observe(self, query: torch.Tensor, keys: torch.Tensor, scaling: float, layer_idx: int) -> None:
+        for part, q, k in zip(self.joint.parts, query.split(self.joint.splits), keys.split(self.joint.splits)):
+            if part.observes:
+                part.layers[self.idx].observe(q, k[:, :, : part._write_plan.span], scaling, layer_idx)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.joint.span, 0
+
+    def get_seq_length(self) -> int:
+        return max(p.layers[self.idx].get_seq_length() for p in self.joint.parts)
+
+    def get_max_length(self) -> int:
+        return -1

@@ -88,6 +88,93 @@ def start(runner: HFRunner, evictor: Evictor, prompts: Sequence[str], rng_keys: 
     return ProposerState(cache, pending)
 
 
+class _Round:
+    """One proposer's candidates during one round: forked cache, live rows, what each row has
+    generated. `step(logits)` consumes one decode step's logits for the live rows."""
+
+    def __init__(self, runner: HFRunner, state: ProposerState, spec: DecodeSpec, token_room: Sequence[int],
+                 sample_seeds: Sequence[int]) -> None:
+        n = spec.n
+        fork = torch.arange(state.cache.n_rows).repeat_interleave(n)  # candidate row -> problem row
+        self.runner, self.state, self.spec = runner, state, spec
+        self.cache = state.cache.select(fork)
+        self.cache.rows.rng_keys = torch.as_tensor(
+            [row_seed(int(k), i % n) for i, k in enumerate(self.cache.rows.rng_keys)])
+        self.pending = state.pending[fork]
+        rows = fork.numel()
+        self.cap = [min(spec.max_step_tokens, max(1, token_room[p])) for p in fork.tolist()]
+        self.generators = [torch.Generator().manual_seed(row_seed(sample_seeds[p], i % n))
+                           for i, p in enumerate(fork.tolist())]
+        self.tokens: list[list[int]] = [[] for _ in range(rows)]
+        self.logprobs: list[list[float]] = [[] for _ in range(rows)]
+        self.texts = [""] * rows
+        self.entropies = torch.zeros(rows, max(self.cap, default=1))
+        self.signals: list[dict[str, list[float]]] = [{} for _ in range(rows)]
+        self.finish: list[Optional[str]] = [None] * rows
+        self.live = torch.arange(rows)  # candidate ids still decoding, in cache row order
+        state.kept.clear()
+
+    def step(self, logits: torch.Tensor) -> None:
+        spec, live = self.spec, self.live
+        uniforms = torch.stack([torch.rand((), generator=self.generators[c]) for c in live.tolist()])
+        new, lp, ent = sample(logits, spec.temperature, spec.top_p, uniforms)
+        new, lp, ent = new.cpu(), lp.cpu(), ent.cpu()
+        done = torch.zeros(len(live), dtype=torch.bool)
+        tail = len(spec.delimiter) - 1
+        for j, c in enumerate(live.tolist()):
+            tok = int(new[j])
+            self.tokens[c].append(tok)
+            self.logprobs[c].append(float(lp[j]))
+            self.entropies[c, len(self.tokens[c]) - 1] = ent[j]
+            before = self.texts[c][-tail:] if tail else ""
+            piece = self.runner.piece(tok)
+            self.texts[c] += piece
+            if tok in self.runner.eos_ids:
+                self.finish[c] = "eos"
+            elif spec.delimiter in before + piece:
+                self.finish[c] = "delimiter"
+            elif len(self.tokens[c]) >= self.cap[c]:
+                self.finish[c] = "max_step_tokens"
+            done[j] = self.finish[c] is not None
+        if spec.pruners:
+            self._prune(done)
+        if done.any():
+            for j in done.nonzero().flatten().tolist():
+                c = int(live[j])
+                self.state.kept[(c // spec.n, c % spec.n)] = (self.cache.select([j]), self.tokens[c][-1])
+            stay = (~done).nonzero().flatten()
+            self.live, new = live[stay], new[stay]
+            if len(self.live):
+                self.cache = self.cache.select(stay)
+        self.pending = new
+
+    def _prune(self, done: torch.Tensor) -> None:
+        live = self.live.tolist()
+        counts = torch.as_tensor([len(self.tokens[c]) for c in live])
+        trace = StepTrace(self.entropies[self.live], counts, [self.texts[c] for c in live])
+        for pname, pruner in self.spec.pruners:
+            if self.spec.record_signals:
+                values = pruner.signal(trace).tolist()
+                for j, c in enumerate(live):
+                    self.signals[c].setdefault(pname, []).append(values[j])
+            flagged = pruner.check(trace) & ~done
+            for j in flagged.nonzero().flatten().tolist():
+                self.finish[live[j]] = f"pruned:{pname}"
+                done[j] = True
+
+    def candidates(self) -> list[Candidate]:
+        n = self.spec.n
+        return [
+            Candidate(
+                problem=c // n, source=self.spec.name, index=c % n, token_ids=self.tokens[c],
+                text=self.runner.decode(self.tokens[c][:-1] if self.finish[c] == "eos" else self.tokens[c]),
+                logprobs=self.logprobs[c], entropies=self.entropies[c, : len(self.tokens[c])].tolist(),
+                finish=self.finish[c] or "", signals=self.signals[c],
+            )
+            for c in range(len(self.tokens))
+        ]
+
+
 @torch.inference_mode()
 def propose(runner: HFRunner, state: ProposerState, spec: DecodeSpec, token_room: Sequence[int],
             sample_seeds: Sequence[int]) -> list[Candidate]:
@@ -96,74 +183,26 @@ def propose(runner: HFRunner, state: ProposerState, spec: DecodeSpec, token_room
     token_room[p]: most tokens problem p may still add (limits.max_tokens); sample_seeds[p]:
     seed of problem p's candidates this round (candidate i uses row_seed(seed, i)).
     """
-    n, n_problems = spec.n, state.cache.n_rows
-    fork = torch.arange(n_problems).repeat_interleave(n)  # candidate row -> problem row
-    cache = state.cache.select(fork)
-    cache.rows.rng_keys = torch.as_tensor([row_seed(int(k), i % n) for i, k in enumerate(cache.rows.rng_keys)])
-    pending = state.pending[fork]
-    rows = fork.numel()
-    cap = torch.as_tensor([min(spec.max_step_tokens, max(1, token_room[p])) for p in fork.tolist()])
-    generators = [torch.Generator().manual_seed(row_seed(sample_seeds[p], i % n)) for i, p in enumerate(fork.tolist())]
-    tokens: list[list[int]] = [[] for _ in range(rows)]
-    logprobs: list[list[float]] = [[] for _ in range(rows)]
-    texts = [""] * rows
-    entropies = torch.zeros(rows, int(cap.max()))
-    signals: list[dict[str, list[float]]] = [{} for _ in range(rows)]
-    finish: list[Optional[str]] = [None] * rows
-    live = torch.arange(rows)  # candidate ids still decoding, in cache row order
-    state.kept.clear()
-    tail = len(spec.delimiter) - 1
-    while len(live):
-        logits = runner.forward(cache, pending[:, None])  # [live, vocab]
-        uniforms = torch.stack([torch.rand((), generator=generators[c]) for c in live.tolist()])
-        new, lp, ent = sample(logits, spec.temperature, spec.top_p, uniforms)
-        new, lp, ent = new.cpu(), lp.cpu(), ent.cpu()
-        done = torch.zeros(len(live), dtype=torch.bool)
-        for j, c in enumerate(live.tolist()):
-            tok = int(new[j])
-            tokens[c].append(tok)
-            logprobs[c].append(float(lp[j]))
-            entropies[c, len(tokens[c]) - 1] = ent[j]
-            before = texts[c][-tail:] if tail else ""
-            piece = runner.piece(tok)
-            texts[c] += piece
-            if tok in runner.eos_ids:
-                finish[c] = "eos"
-            elif spec.delimiter in before + piece:
-                finish[c] = "delimiter"
-            elif len(tokens[c]) >= int(cap[c]):
-                finish[c] = "max_step_tokens"
-            done[j] = finish[c] is not None
-        if spec.pruners:
-            counts = torch.as_tensor([len(tokens[c]) for c in live.tolist()])
-            trace = StepTrace(entropies[live], counts, [texts[c] for c in live.tolist()])
-            for pname, pruner in spec.pruners:
-                if spec.record_signals:
-                    values = pruner.signal(trace).tolist()
-                    for j, c in enumerate(live.tolist()):
-                        signals[c].setdefault(pname, []).append(values[j])
-                flagged = pruner.check(trace) & ~done
-                for j in flagged.nonzero().flatten().tolist():
-                    finish[int(live[j])] = f"pruned:{pname}"
-                    done[j] = True
-        if done.any():
-            for j in done.nonzero().flatten().tolist():
-                c = int(live[j])
-                state.kept[(c // n, c % n)] = (cache.select([j]), tokens[c][-1])
-            stay = (~done).nonzero().flatten()
-            live, new = live[stay], new[stay]
-            if len(live):
-                cache = cache.select(stay)
-        pending = new
-    return [
-        Candidate(
-            problem=c // n, source=spec.name, index=c % n, token_ids=tokens[c],
-            text=runner.decode(tokens[c][:-1] if finish[c] == "eos" else tokens[c]),
-            logprobs=logprobs[c], entropies=entropies[c, : len(tokens[c])].tolist(), finish=finish[c] or "",
-            signals=signals[c],
-        )
-        for c in range(rows)
-    ]
+    return propose_together(runner, [(state, spec, token_room, sample_seeds)])[0]
+
+
+@torch.inference_mode()
+def propose_together(runner: HFRunner, jobs) -> list[list[Candidate]]:
+    """`propose()` for several proposers that share `runner`'s model, in lockstep: every
+    decode step is one forward over all their live rows, so the weights are read once for
+    all of them. jobs: [(state, spec, token_room, sample_seeds), ...]; candidates per job."""
+    rounds = [_Round(runner, *job) for job in jobs]
+    while True:
+        active = [r for r in rounds if len(r.live)]
+        if not active:
+            break
+        if len(active) == 1:
+            logits = [runner.forward(active[0].cache, active[0].pending[:, None])]
+        else:
+            logits = runner.decode_joint([r.cache for r in active], [r.pending for r in active])
+        for r, lg in zip(active, logits):
+            r.step(lg)
+    return [r.candidates() for r in rounds]
 
 
 @torch.inference_mode()

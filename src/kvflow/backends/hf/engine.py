@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 import torch
 
 from kvflow.backends.hf.attention import kvflow_attention_enabled
-from kvflow.backends.hf.cache import BudgetedCache, new_rows
+from kvflow.backends.hf.cache import BudgetedCache, JointCache, new_rows
 from kvflow.components.base import Evictor
 
 _INGEST_CHUNK = 512  # tokens per forward when ingesting into an unbounded cache
@@ -107,6 +107,29 @@ class HFRunner:
             return hidden
         last = (step_lens - 1).clamp(min=0).to(self.device)
         return self.lm_head(hidden[torch.arange(hidden.shape[0], device=self.device), last]).float()
+
+    @torch.inference_mode()
+    def decode_joint(self, caches: Sequence[BudgetedCache], pending: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """One decode step for the rows of several caches of this model in a single forward.
+
+        pending[i]: [rows_i] int64, the token each row of caches[i] appends;
+        returns the logits [rows_i, vocab] float32 of every part.
+        """
+        joint = JointCache(caches)
+        mask = joint.begin_forward()
+        positions = torch.cat([c.rows.positions for c in caches])[:, None]  # [rows, 1]
+        with kvflow_attention_enabled(self.model):
+            out = self.body(
+                input_ids=torch.cat(list(pending))[:, None].to(self.device),
+                position_ids=positions.to(self.device),
+                attention_mask=mask,
+                cache=joint,
+                use_cache=True,
+                kvflow_cache=joint,
+            )
+        joint.end_forward()
+        logits = self.lm_head(out.last_hidden_state[:, -1]).float()  # [rows, vocab]
+        return list(logits.split(joint.splits))
 
     def ingest(self, cache: BudgetedCache, ids: Sequence[Sequence[int]]) -> None:
         """Append ids[r] to row r, in chunks that never push a row past `budget + buffer`."""
