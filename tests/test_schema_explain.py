@@ -11,6 +11,7 @@ from pydantic import Field
 
 import kvflow
 from kvflow.components.base import Evictor, EvictorParams
+from kvflow.config import load_pipeline
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -156,10 +157,11 @@ def test_explain_quickstart(cli):
     assert re.search(r"- entropy \(.*threshold=2\.5", out) and re.search(r"- gzip \(.*threshold=0\.25", out)
     assert "scorer: likelihood" in out and "uses model: helper -> catalog:" in out
     assert "committer: best" in out
-    assert "limits: max_steps=32, max_tokens=512" in out and "dataset: gsm8k" in out
+    limits = load_pipeline(REPO / "pipelines" / "quickstart.yaml").pipeline.limits
+    assert f"limits: max_steps={limits.max_steps}, max_tokens={limits.max_tokens}" in out and "dataset: gsm8k" in out
     assert "KV memory per sequence" in out
     assert re.search(r"^  base: 128 tokens \(budget 64 \+ buffer 64\)", out, re.M)
-    assert re.search(r"^  helper: 768 tokens \(full cache", out, re.M)
+    assert re.search(rf"^  helper: {limits.max_tokens + 256} tokens \(full cache", out, re.M)
     assert "resolved config:" in out and "    evictor: {kind: random" in out
 
 
