@@ -7,7 +7,7 @@ import struct
 
 import pytest
 
-from kvflow.cost import (PRESETS, ModelShape, cost_rows, decode_flops, kv_bytes, kv_bytes_per_token, parse_lengths,
+from kvflow.cost import (PRESETS, cost_rows, decode_flops, kv_bytes, kv_bytes_per_token, parse_lengths,
                          resolve_shape, shape_from_config)
 from kvflow.errors import UserError
 

@@ -8,6 +8,7 @@ grade and append each finished problem at once, then write metrics and print a s
 from __future__ import annotations
 
 import datetime as _dt
+import importlib.metadata
 import platform
 import signal
 import subprocess
@@ -172,7 +173,7 @@ def _manifest(loaded: LoadedPipeline, registry) -> dict:
     versions = {"kvflow": kvflow.__version__, "python": platform.python_version()}
     for mod in ("torch", "transformers", "sglang"):
         try:
-            versions[mod] = __import__("importlib.metadata").metadata.version(mod)
+            versions[mod] = importlib.metadata.version(mod)
         except Exception:
             versions[mod] = None
     return {
