@@ -544,7 +544,8 @@ def test_results_fields_are_documented(tmp_path):
                       tokens_generated={"base": 2}, pruned={"entropy": 0}, candidates={"base": 1},
                       committed_tokens=2, signals=[{"step": 0}])
     plan = types.SimpleNamespace(proposers=[types.SimpleNamespace(name="base")])
-    record = _record(traj, types.SimpleNamespace(id="p1", question="q?", gold="1"), "1", True, 1.0, plan)
+    timing = {"wall": 1.0, "phases": {"propose/forward:base": 0.9, "other": 0.1}}
+    record = _record(traj, types.SimpleNamespace(id="p1", question="q?", gold="1"), "1", True, 1.0, plan, timing)
     import inspect
 
     kwargs = {}

@@ -153,3 +153,49 @@ def test_proposers_sharing_a_model_decode_in_one_batch_exactly():
     assert calls and set(calls) == {2}
     assert [(s.text, s.source) for t in together for s in t.steps] == [(s.text, s.source) for t in separate for s in t.steps]
     assert {s.source for t in together for s in t.steps} == {"base", "helper"}
+
+
+class _PruneNothing:
+    def signal(self, trace):
+        return torch.zeros(len(trace.texts))
+
+    def check(self, trace):
+        return torch.zeros(len(trace.texts), dtype=torch.bool)
+
+
+def test_timing_phases_sum_to_the_problem_wall_time():
+    """Per-problem timing: exclusive phases that add up to the wall time from the start of the
+    batch until the problem finished, with model forwards and pruning nested where they ran."""
+    import time
+
+    from kvflow.runtime.results import timing_summary
+    from kvflow.timing import categories
+
+    base = Proposer("base", tiny_runner("qwen2", seed=1), RandomEvictor(RandomEvictor.Params(budget=24, buffer=8, window=4)),
+                    spec("base", n=2, temperature=1.0, max_step_tokens=12, pruners=[("never", _PruneNothing())]))
+    helper = Proposer("helper", tiny_runner("llama", seed=2), NoEviction(NoEviction.Params()),
+                      spec("helper", n=2, temperature=1.0, max_step_tokens=12))
+    plan = make_plan([base, helper], max_tokens=60, seed=3)
+    trajs = [Trajectory(f"p{i}", q, p) for i, (q, p) in enumerate(zip(QUESTIONS, prompts()))]
+    timings, finished = {}, {}
+    t0 = time.perf_counter()
+    run_batch(plan, trajs, lambda t: finished.setdefault(t.problem_id, time.perf_counter() - t0), timings=timings)
+    assert set(timings) == {"p0", "p1"}
+    for pid, timing in timings.items():
+        phases = timing["phases"]
+        assert all(v >= 0 for v in phases.values())
+        assert abs(sum(phases.values()) - timing["wall"]) < 1e-3  # rounding only
+        assert timing["wall"] <= finished[pid] + 1e-3 and finished[pid] - timing["wall"] < 0.05
+        assert phases["other"] < 0.2 * timing["wall"]  # the phases cover the loop
+        for key in ("prefill/forward:base", "prefill/forward:helper", "propose/forward:base",
+                    "propose/forward:helper", "propose/prune", "propose", "score", "commit", "sync"):
+            assert key in phases, key
+        cats = categories(phases)
+        assert {"model:base", "model:helper", "scorer", "kvflow"} <= set(cats)
+        assert abs(sum(cats.values()) - timing["wall"]) < 1e-3
+    # without a timings dict nothing is measured and nothing changes
+    again = [Trajectory(f"p{i}", q, p) for i, (q, p) in enumerate(zip(QUESTIONS, prompts()))]
+    run_batch(make_plan([base, helper], max_tokens=60, seed=3), again, lambda t: None)
+    assert [t.text for t in again] == [t.text for t in trajs]
+    summary = timing_summary([{"timing": t} for t in timings.values()])
+    assert abs(sum(summary["share"].values()) - 1) < 1e-3

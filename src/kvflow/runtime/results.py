@@ -172,9 +172,33 @@ def compute_metrics(records: Iterable[dict], proposers: list[str], pruner_owners
         "fallback_steps": sum(sum(1 for s in r["steps"] if s.get("fallback")) for r in records),
         "mean_seconds": mean(r["seconds"] for r in records),
     }
+    timing = timing_summary(records)
+    if timing:
+        out["timing"] = timing
     if baselines is not None:
         out.update(recovery_metrics(accuracy, baselines))
     return out
+
+
+def timing_summary(records: Iterable[dict]) -> dict:
+    """Mean per-problem `timing` of the records that have one (kvflow.runtime.loop): `mean_wall`,
+    `phases` (mean exclusive seconds by phase path), `categories` (mean seconds by
+    kvflow.timing.categories: model forwards by proposers, scorer, records, kvflow itself) and
+    `share` (categories / mean_wall). {} when no record has timing."""
+    from kvflow.timing import categories
+
+    timed = [r["timing"] for r in records if r.get("timing")]
+    if not timed:
+        return {}
+    n = len(timed)
+    phases: Counter = Counter()
+    for t in timed:
+        phases.update(t["phases"])
+    phases_mean = {k: v / n for k, v in sorted(phases.items())}
+    wall = sum(t["wall"] for t in timed) / n
+    cats = dict(sorted(categories(phases_mean).items(), key=lambda kv: -kv[1]))
+    return {"n_problems": n, "mean_wall": wall, "phases": phases_mean, "categories": cats,
+            "share": {k: (v / wall if wall else 0.0) for k, v in cats.items()}}
 
 
 def recovery_metrics(accuracy: float, baselines: Any) -> dict:

@@ -100,13 +100,15 @@ def _decode(loaded: LoadedPipeline, registry, store: ResultsDir, todo, quiet: bo
     by_id = {p.id: p for p in todo}
     with Grader(timeout=pipe.run.grade_timeout) as grader, Progress(len(todo), enabled=not quiet) as progress:
         started: dict[str, float] = {}
+        timings: dict[str, dict] = {}  # filled by the step loop just before on_done
         tally = {"done": 0, "correct": 0}
 
         def on_done(traj: Trajectory) -> None:
             problem = by_id[traj.problem_id]
             prediction = extract_answer(traj.text)
             correct = bool(prediction is not None and grader.grade(prediction, problem.gold))
-            record = _record(traj, problem, prediction, correct, time.time() - started[traj.problem_id], plan)
+            record = _record(traj, problem, prediction, correct, time.time() - started[traj.problem_id], plan,
+                             timings.pop(traj.problem_id, None))
             with _sigint_deferred():  # Ctrl-C lands after the line is written, never inside it
                 store.append(record)
             tally["done"] += 1
@@ -121,7 +123,7 @@ def _decode(loaded: LoadedPipeline, registry, store: ResultsDir, todo, quiet: bo
                 prompt = render_prompt(pipe.dataset.prompt, p.question, base_runner.tokenizer)
                 trajs.append(Trajectory(p.id, p.question, prompt))
                 started[p.id] = time.time()
-            run_batch(plan, trajs, on_done)
+            run_batch(plan, trajs, on_done, timings=timings)
 
 
 @contextmanager
@@ -142,7 +144,7 @@ def _sigint_deferred():
             previous(signal.SIGINT, None)
 
 
-def _record(traj, problem, prediction, correct: bool, seconds: float, plan) -> dict:
+def _record(traj, problem, prediction, correct: bool, seconds: float, plan, timing: Optional[dict] = None) -> dict:
     step_counts = {p.name: 0 for p in plan.proposers}
     for s in traj.steps:
         step_counts[s.source] = step_counts.get(s.source, 0) + 1
@@ -165,6 +167,7 @@ def _record(traj, problem, prediction, correct: bool, seconds: float, plan) -> d
         "finish": traj.finish,
         "degenerate": bool(capped and not correct),
         "seconds": round(seconds, 3),
+        **({"timing": timing} if timing else {}),
         **({"signals": traj.signals} if traj.signals else {}),
     }
 

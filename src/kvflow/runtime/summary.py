@@ -22,6 +22,11 @@ def summary_rows(metrics: dict, proposers: Sequence[str]) -> list[tuple[str, str
         rows.append((f"candidates pruned: {name}", f"{frac:.1%}"))
     finish = ", ".join(f"{k} {v}" for k, v in sorted(metrics.get("finish", {}).items()))
     rows.append(("finish", finish))
+    timing = metrics.get("timing")
+    if timing:
+        rows.append(("wall time / problem (batch)", f"{timing['mean_wall']:.1f} s"))
+        share = ", ".join(f"{k} {v:.0%}" for k, v in timing["share"].items())
+        rows.append(("time share", share))
     return rows
 
 

@@ -19,6 +19,7 @@ import torch
 from kvflow.backends.hf.cache import BudgetedCache
 from kvflow.backends.hf.engine import HFRunner
 from kvflow.components.base import Candidate, Evictor, Pruner, StepTrace
+from kvflow.timing import NULL_CLOCK
 
 
 def row_seed(*parts: object) -> int:
@@ -82,9 +83,12 @@ class DecodeSpec:
     record_signals: bool = False
 
 
-def start(runner: HFRunner, evictor: Evictor, prompts: Sequence[str], rng_keys: Sequence[int]) -> ProposerState:
+def start(runner: HFRunner, evictor: Evictor, prompts: Sequence[str], rng_keys: Sequence[int], *,
+          name: str = "", clock=NULL_CLOCK) -> ProposerState:
     cache = runner.new_cache(evictor, len(prompts), rng_keys)
-    pending = runner.prefill(cache, [runner.encode(p) for p in prompts])
+    ids = [runner.encode(p) for p in prompts]
+    with clock.phase(f"forward:{name}"):
+        pending = runner.prefill(cache, ids)
     return ProposerState(cache, pending)
 
 
@@ -93,8 +97,9 @@ class _Round:
     generated. `step(logits)` consumes one decode step's logits for the live rows."""
 
     def __init__(self, runner: HFRunner, state: ProposerState, spec: DecodeSpec, token_room: Sequence[int],
-                 sample_seeds: Sequence[int]) -> None:
+                 sample_seeds: Sequence[int], clock=NULL_CLOCK) -> None:
         n = spec.n
+        self.clock = clock
         fork = torch.arange(state.cache.n_rows).repeat_interleave(n)  # candidate row -> problem row
         self.runner, self.state, self.spec = runner, state, spec
         self.cache = state.cache.select(fork)
@@ -137,7 +142,8 @@ class _Round:
                 self.finish[c] = "max_step_tokens"
             done[j] = self.finish[c] is not None
         if spec.pruners:
-            self._prune(done)
+            with self.clock.phase("prune"):
+                self._prune(done)
         if done.any():
             for j in done.nonzero().flatten().tolist():
                 c = int(live[j])
@@ -187,19 +193,21 @@ def propose(runner: HFRunner, state: ProposerState, spec: DecodeSpec, token_room
 
 
 @torch.inference_mode()
-def propose_together(runner: HFRunner, jobs) -> list[list[Candidate]]:
+def propose_together(runner: HFRunner, jobs, clock=NULL_CLOCK) -> list[list[Candidate]]:
     """`propose()` for several proposers that share `runner`'s model, in lockstep: every
     decode step is one forward over all their live rows, so the weights are read once for
-    all of them. jobs: [(state, spec, token_room, sample_seeds), ...]; candidates per job."""
-    rounds = [_Round(runner, *job) for job in jobs]
+    all of them. jobs: [(state, spec, token_room, sample_seeds), ...]; candidates per job.
+    `clock` (kvflow.timing) times each forward as `forward:<proposers in it>` and pruning."""
+    rounds = [_Round(runner, *job, clock=clock) for job in jobs]
     while True:
         active = [r for r in rounds if len(r.live)]
         if not active:
             break
-        if len(active) == 1:
-            logits = [runner.forward(active[0].cache, active[0].pending[:, None])]
-        else:
-            logits = runner.decode_joint([r.cache for r in active], [r.pending for r in active])
+        with clock.phase("forward:" + "+".join(r.spec.name for r in active)):
+            if len(active) == 1:
+                logits = [runner.forward(active[0].cache, active[0].pending[:, None])]
+            else:
+                logits = runner.decode_joint([r.cache for r in active], [r.pending for r in active])
         for r, lg in zip(active, logits):
             r.step(lg)
     return [r.candidates() for r in rounds]
@@ -207,7 +215,7 @@ def propose_together(runner: HFRunner, jobs) -> list[list[Candidate]]:
 
 @torch.inference_mode()
 def sync(runner: HFRunner, state: ProposerState, commits: Sequence[tuple[Optional[int], str]],
-         keep_rows: Sequence[int]) -> ProposerState:
+         keep_rows: Sequence[int], *, name: str = "", clock=NULL_CLOCK) -> ProposerState:
     """Bring every row up to date with the step just committed, then keep only `keep_rows`.
 
     commits[p] = (index of this proposer's candidate that was committed, or None; step text).
@@ -221,7 +229,8 @@ def sync(runner: HFRunner, state: ProposerState, commits: Sequence[tuple[Optiona
         sub = state.cache.select(ingest_rows)
         new_ids = [runner.encode(commits[p][1]) for p in ingest_rows]
         pend = state.pending[ingest_rows]
-        runner.ingest(sub, [[int(pend[i])] + ids[:-1] if ids else [] for i, ids in enumerate(new_ids)])
+        with clock.phase(f"forward:{name}"):
+            runner.ingest(sub, [[int(pend[i])] + ids[:-1] if ids else [] for i, ids in enumerate(new_ids)])
         pending = torch.as_tensor([ids[-1] if ids else int(pend[i]) for i, ids in enumerate(new_ids)])
         parts.append((sub, pending))
         order.update({p: i for i, p in enumerate(ingest_rows)})
