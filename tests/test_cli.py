@@ -179,7 +179,7 @@ def test_broken_plugin_does_not_take_cli_down(broken_site):
         assert "ImportError: kaboom" in r.stderr
     r = run_kvflow("plugins", "--json", pythonpath=broken_site)
     statuses = {p["name"]: p["status"] for p in json.loads(r.stdout)}
-    assert statuses == {"broken": "failed", "builtin": "ok"}
+    assert statuses["broken"] == "failed" and statuses["builtin"] == "ok"  # (and any installed examples)
 
 
 def test_strict_plugins_exit_4(broken_site):

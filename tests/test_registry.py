@@ -143,7 +143,8 @@ def test_builtins_registered_through_entry_point():
     for kind, name in [("evictors", "none"), ("evictors", "random"), ("pruners", "entropy"), ("pruners", "gzip"),
                        ("scorers", "likelihood"), ("scorers", "random"), ("committers", "best")]:
         assert name in reg.names(kind)
-    assert Registry.from_entry_points(disabled=["builtin"]).names("evictors") == []
+    without = Registry.from_entry_points(disabled=["builtin"])  # other installed plugins may stay
+    assert not set(without.names("evictors")) & set(builtin.registered["evictors"])
 
 
 def test_get_registry_is_cached_and_strict_rechecks(capsys):
@@ -179,7 +180,8 @@ def _registry_report(tmp_path, env=None):
 def test_broken_entry_point_warns_naming_dist_entry_point_and_exception(tmp_path):
     r = _registry_report(tmp_path)
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout) == {"broken": "failed", "builtin": "ok"}
+    statuses = json.loads(r.stdout)  # (installed example plugins may be listed too)
+    assert statuses["broken"] == "failed" and statuses["builtin"] == "ok"
     assert "plugin 'broken' (distribution kvflow-broken 0.1)" in r.stderr
     assert "entry point broken = kvflow_broken_plugin" in r.stderr
     assert "ImportError: kaboom: missing dependency" in r.stderr

@@ -1,5 +1,12 @@
-"""Test helpers for kvflow and its plugins: tiny real transformers models and a tiny
-tokenizer, built in-process from configs (random weights, no downloads).
+"""Test helpers for kvflow and its plugins.
+
+- tiny real transformers models and a tiny tokenizer, built in-process from configs (random
+  weights, no downloads): `tiny_model`, `tiny_runner`, `tiny_tokenizer`;
+- pipeline files that run on those models through the real `kvflow run`: `tiny_pipeline`
+  (and `tiny_model_dir`, `tiny_dataset`, what it writes);
+- contract suites (pytest) that every component of a kind must pass, built-in or not:
+  `kvflow.testing.evictor_contract`, `pruner_contract`, `scorer_contract`,
+  `committer_contract` (import them in a test module; they need pytest).
 
     from kvflow.testing import tiny_model, tiny_tokenizer
     tok = tiny_tokenizer()
@@ -7,5 +14,7 @@ tokenizer, built in-process from configs (random weights, no downloads).
 """
 
 from kvflow.testing.models import ARCHITECTURES, tiny_model, tiny_runner, tiny_tokenizer
+from kvflow.testing.pipelines import tiny_dataset, tiny_model_dir, tiny_pipeline
 
-__all__ = ["ARCHITECTURES", "tiny_model", "tiny_runner", "tiny_tokenizer"]
+__all__ = ["ARCHITECTURES", "tiny_dataset", "tiny_model", "tiny_model_dir", "tiny_pipeline", "tiny_runner",
+           "tiny_tokenizer"]

@@ -34,7 +34,8 @@ What is checked, for bounded evictors (for `bounded = False` ones only what appl
 - determinism under the row seeds, and batching: rows with different prompt lengths (hence
   different compaction times and kept sets) decoded in one batch give the same tokens and
   the same cache as each row decoded alone; forking and joining rows carries their state;
-- float32 and bfloat16 decoding with compactions stays finite.
+- float32 and bfloat16 decoding with compactions stays finite;
+- the checks of `kvflow.testing.component_contract` (frozen, described Params; docstrings).
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ import functools
 from typing import Any, Callable, ClassVar
 
 import pytest
+
+from kvflow.components.base import EvictorParams
+from kvflow.testing.component_contract import ComponentContract
 
 #: prompts (token ids) of different lengths: rows reach budget + buffer at different steps
 PROMPTS = [list(range(5, 12)), list(range(20, 35)), list(range(40, 44))]
@@ -93,8 +97,10 @@ def _shapes(arch: str) -> tuple[int, int, int]:
     return extra["num_attention_heads"], extra["num_key_value_heads"], hidden // extra["num_attention_heads"]
 
 
-class EvictorContract:
+class EvictorContract(ComponentContract):
     """Subclass and override the `evictor_factory` fixture (see the module docstring)."""
+
+    params_base = EvictorParams
 
     #: parameters of the small bounded setting every test uses (compactions every few tokens)
     contract_params: ClassVar[dict] = dict(budget=10, buffer=5, window=2)
@@ -107,15 +113,9 @@ class EvictorContract:
         `Params` fields (budget, buffer, window, protect_prompt)."""
         raise NotImplementedError("override the evictor_factory fixture")
 
-    @pytest.fixture(autouse=True)
-    def _contract_threads(self):
-        """Tiny models run fastest single-threaded (and shared CI machines are busy)."""
-        import torch
-
-        before = torch.get_num_threads()
-        torch.set_num_threads(1)
-        yield
-        torch.set_num_threads(before)
+    @pytest.fixture
+    def contract_component(self, evictor_factory):
+        return self.make(evictor_factory)
 
     # ------------------------------------------------------------------ helpers
 

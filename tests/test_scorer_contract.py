@@ -1,0 +1,31 @@
+"""Every built-in scorer passes kvflow's scorer contract (installed plugins run the same suite
+in their own tests, e.g. plugins/kvflow-example-*/tests).
+
+A scorer that needs a model gets the contract's tiny one (`model: tiny`); `prm` is checked
+with its causal-LM protocol (`math-shepherd`), since a tiny Qwen2.5-Math-PRM checkpoint is
+tests/test_scorers.py's business. `likelihood` runs both ways: with a model, and on the
+candidates' own log-probabilities.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvflow.registry import get_registry
+from kvflow.testing.scorer_contract import MODEL_KEY, ScorerContract
+
+NAMES = [n for n in get_registry().names("scorers") if get_registry().info("scorers", n).plugin == "builtin"]
+NEEDS_A_MODEL = {"prm": {"model": MODEL_KEY, "protocol": "math-shepherd"}, "llm_judge": {"model": MODEL_KEY}}
+CASES = [(name, NEEDS_A_MODEL.get(name, {})) for name in NAMES] + [("likelihood", {"model": MODEL_KEY})]
+
+
+def test_builtins_registered():
+    assert {"likelihood", "llm_judge", "prm", "random"} <= set(NAMES)
+
+
+class TestRegisteredScorers(ScorerContract):
+    @pytest.fixture(params=CASES, ids=[f"{n}-{'-'.join(map(str, p.values())) or 'defaults'}" for n, p in CASES])
+    def scorer_factory(self, request):
+        name, extra = request.param
+        cls = get_registry().get("scorers", name)
+        return lambda context, **params: cls(cls.Params(**{**params, **extra}), context)
