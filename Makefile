@@ -8,9 +8,17 @@ demo:
 	bash scripts/install.sh
 	$(VENV)/bin/kvflow run pipelines/quickstart.yaml
 
-# Install the dev and docs extras and run the test suite (which also builds the docs, strict).
+# The separately installable example plugin distributions (each its own pyproject, entry point
+# and tests), installed editable like any third-party plugin; --no-build-isolation uses the
+# hatchling of the dev extra (offline-safe), --no-deps keeps the editable kvflow.
+EXAMPLE_PLUGINS := $(sort $(wildcard plugins/kvflow-example-*))
+
+# Install the dev and docs extras and the example plugins, then run the test suite (which
+# also builds the docs, strict, and runs the example plugins' tests: see pyproject testpaths).
 test:
 	bash scripts/install.sh dev,docs
+	$(VENV)/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps \
+		$(addprefix -e ,$(EXAMPLE_PLUGINS))
 	$(VENV)/bin/python -m pytest
 
 install:

@@ -102,3 +102,10 @@ def did_you_mean(word: str, choices: Sequence[str], what: str = "allowed") -> st
     listing = ", ".join(choices) if choices else "(none)"
     tail = f"{what}: {listing}"
     return f"did you mean '{close[0]}'? {tail}" if close else tail
+
+
+def unknown_component_hint(kind: str, name: str, installed: Sequence[str]) -> str:
+    """Hint for a component name that no loaded plugin registers (`kind` is plural, e.g.
+    "evictors"): a close installed name, the installed names, and the usual cause."""
+    return (f"{did_you_mean(name, installed, f'installed {kind}')}; is the plugin that provides "
+            f"'{name}' installed (and not skipped by KVFLOW_DISABLE_PLUGINS)? `kvflow plugins` lists installed plugins")

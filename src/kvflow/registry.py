@@ -25,7 +25,7 @@ from typing import Any, Iterable, Optional, Union
 import pluggy
 
 from kvflow import hookspecs
-from kvflow.errors import ComponentImportError, PluginError, UserError, did_you_mean
+from kvflow.errors import ComponentImportError, PluginError, UserError, unknown_component_hint
 
 ENTRY_POINT_GROUP = "kvflow"
 KINDS = tuple(hookspecs.KINDS)
@@ -259,7 +259,7 @@ class Registry:
         entries = self._kind(kind)
         entry = entries.get(name)
         if entry is None:
-            raise UserError(f"unknown {kind[:-1]} '{name}'", hint=did_you_mean(name, sorted(entries), f"installed {kind}"))
+            raise UserError(f"unknown {kind[:-1]} '{name}'", hint=unknown_component_hint(kind, name, sorted(entries)))
         if entry.cls is None:
             try:
                 entry.cls = _import_target(entry.target)  # type: ignore[arg-type]
