@@ -1,11 +1,14 @@
 """The documentation stays true to the code (DESIGN.md §10: every doc code block runs or validates).
 
 - every plugin hook and every built-in component has a docstring and a place in the docs,
-  and docs/components.md has a current parameter table for every built-in component;
+  docs/plugins.md's hook table is generated from the hookspec docstrings (the full hook
+  reference is rendered from them by mkdocstrings), and docs/components.md has a current
+  parameter table for every built-in component;
 - every field of the pipeline schema is documented in docs/pipeline-yaml.md, whose field
   tables are generated from the pydantic models (regenerate every generated table, and add a
   section for any built-in component that has none, with ``python tests/test_docs.py --update``
-  or ``KVFLOW_UPDATE_DOCS=1 pytest tests/test_docs.py``);
+  or ``KVFLOW_UPDATE_DOCS=1 pytest tests/test_docs.py``; ``--update`` also regenerates the
+  command reference of docs/cli.md, see scripts/cli_reference.py);
 - every pipeline YAML block in README.md and docs/*.md validates, and so does every
   ``kvflow run|validate pipelines/...`` command line shown in a shell block;
 - the README's plugin example works as printed;
@@ -16,6 +19,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import os
 import re
@@ -133,6 +137,41 @@ def test_every_hook_has_a_docstring_and_is_documented():
         if f"`{name}" not in plugins_md:
             problems.append(f"hook {name} is not mentioned in docs/plugins.md")
     assert not problems, "\n".join(problems)
+
+
+PLUGINS_DOC = DOCS / "plugins.md"
+
+
+def hooks_table() -> str:
+    """docs/plugins.md's hook reference: a table of each hookspec, the first line of its
+    docstring and the version that added it (in the order of `kvflow.hookspecs.KINDS`, then
+    any other hook), and the mkdocstrings directive that renders every hook's docstring."""
+    from kvflow import hookspecs
+
+    specs = _hookspecs()
+    order = list(hookspecs.KINDS.values()) + sorted(set(specs) - set(hookspecs.KINDS.values()))
+    rows = ["| hook | registers | added in |", "| --- | --- | --- |"]
+    for name in order:
+        doc = inspect.cleandoc(specs[name].__doc__ or "")
+        added = re.search(r"Added in kvflow (\S+?)\.?$", doc, re.M)
+        first = doc.splitlines()[0] if doc else ""
+        rows.append(f"| [`{name}`](#kvflow.hookspecs.{name}) | {_md_text(first)} | {added.group(1) if added else ''} |")
+    members = "".join(f"        - {name}\n" for name in order)
+    directive = ("::: kvflow.hookspecs\n    options:\n      show_root_heading: false\n      heading_level: 3\n"
+                 f"      members:\n{members}")
+    return "\n".join(rows) + "\n\n" + directive.rstrip("\n")
+
+
+def render_plugins_doc(text: str) -> str:
+    return _replace_block(text, "hooks", hooks_table())
+
+
+def test_hook_table_is_generated_from_the_hookspecs():
+    if os.environ.get("KVFLOW_UPDATE_DOCS"):
+        update_docs()
+    text = _read(PLUGINS_DOC)
+    assert _block_re("hooks").search(text), "docs/plugins.md has no generated hook table (markers 'hooks')"
+    assert render_plugins_doc(text) == text, f"docs/plugins.md hook table is stale; {UPDATE_HINT}"
 
 
 def _builtin_components() -> list[tuple[str, str, str]]:
@@ -391,11 +430,23 @@ def add_missing_component_sections(text: str) -> str:
     return text.rstrip("\n") + "\n"
 
 
+def _cli_reference():
+    """scripts/cli_reference.py, the generator of docs/cli.md's command reference."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("cli_reference", REPO / "scripts" / "cli_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def update_docs() -> list[str]:
     """Regenerate the generated parts of the docs; returns the files that changed."""
     changed = []
     for path, render in ((PIPELINE_DOC, lambda t: render_pipeline_doc(add_missing_model_sections(t))),
-                         (COMPONENTS_DOC, lambda t: render_components_doc(add_missing_component_sections(t)))):
+                         (COMPONENTS_DOC, lambda t: render_components_doc(add_missing_component_sections(t))),
+                         (PLUGINS_DOC, render_plugins_doc),
+                         (DOCS / "cli.md", lambda t: _cli_reference().render_doc(t))):
         old = _read(path)
         new = render(old)
         if new != old:

@@ -28,6 +28,7 @@ def test_example_plugins_are_installed():
         assert plugins[name].registered == {kind: [name]} and name in reg.names(kind)
 
 
+# --8<-- [start:tiny-run]
 def test_pipeline_with_both_plugins_runs_on_tiny_models(tmp_path, cli):
     path = tiny_pipeline(tmp_path, include=PIPELINE, name="tova_ngram", max_tokens=64)
     result = cli("run", path)
@@ -43,6 +44,7 @@ def test_pipeline_with_both_plugins_runs_on_tiny_models(tmp_path, cli):
     assert len(records) == 2
     for r in records:
         assert set(r["pruned"]) == {"entropy", "ngram"} and r["tokens_generated"]["base"] > 0
+# --8<-- [end:tiny-run]
 
 
 @pytest.mark.parametrize("name", sorted(EXAMPLES))

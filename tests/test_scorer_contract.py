@@ -1,5 +1,4 @@
-"""Every built-in scorer passes kvflow's scorer contract (installed plugins run the same suite
-in their own tests, e.g. plugins/kvflow-example-*/tests).
+"""Every registered scorer (built-in or installed plugin, DESIGN.md §10) passes kvflow's scorer contract.
 
 A scorer that needs a model gets the contract's tiny one (`model: tiny`); `prm` is checked
 with its causal-LM protocol (`math-shepherd`), since a tiny Qwen2.5-Math-PRM checkpoint is
@@ -14,7 +13,7 @@ import pytest
 from kvflow.registry import get_registry
 from kvflow.testing.scorer_contract import MODEL_KEY, ScorerContract
 
-NAMES = [n for n in get_registry().names("scorers") if get_registry().info("scorers", n).plugin == "builtin"]
+NAMES = get_registry().names("scorers")
 NEEDS_A_MODEL = {"prm": {"model": MODEL_KEY, "protocol": "math-shepherd"}, "llm_judge": {"model": MODEL_KEY}}
 CASES = [(name, NEEDS_A_MODEL.get(name, {})) for name in NAMES] + [("likelihood", {"model": MODEL_KEY})]
 

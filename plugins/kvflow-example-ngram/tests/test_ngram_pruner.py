@@ -12,10 +12,12 @@ from kvflow.testing.pruner_contract import PrunerContract
 from kvflow_example_ngram.pruner import TOKEN, NgramRepetitionPruner, max_ngram_count
 
 
+# --8<-- [start:contract]
 class TestNgramContract(PrunerContract):
     @pytest.fixture
     def pruner_factory(self):
         return lambda **params: NgramRepetitionPruner(NgramRepetitionPruner.Params(**params))
+# --8<-- [end:contract]
 
 
 def pruner(**params):

@@ -11,10 +11,12 @@ from kvflow.testing.evictor_contract import EvictorContract
 from kvflow_example_tova.evictor import TovaEvictor
 
 
+# --8<-- [start:contract]
 class TestTovaContract(EvictorContract):
     @pytest.fixture(params=["group", "layer"])
     def evictor_factory(self, request):
         return lambda **params: TovaEvictor(TovaEvictor.Params(heads=request.param, **params))
+# --8<-- [end:contract]
 
 
 def tova(budget, **params):
@@ -27,6 +29,7 @@ def select(evictor, keys, queries, lengths):
                           n_protected=torch.zeros(rows, dtype=torch.long), generators=[])
 
 
+# --8<-- [start:reference]
 # One row, one KV head shared by two query heads, head_dim 1 (so 1/sqrt(d) = 1).
 # Keys ln(1..4): the query +1 attends (1, 2, 3, 4) / 10, the query -1 attends
 # (1, 1/2, 1/3, 1/4) / (25/12) = (12, 6, 4, 3) / 25. Their mean over the group:
@@ -42,6 +45,7 @@ def test_scores_are_the_newest_querys_attention_averaged_over_the_group():
     torch.testing.assert_close(scores[0, 0], torch.tensor([0.29, 0.22, 0.23, 0.26]))
     assert select(tova(2), KEYS, QUERIES, [4])[0, 0].tolist() == [0, 3]
     assert select(tova(3), KEYS, QUERIES, [4])[0, 0].tolist() == [0, 2, 3]
+# --8<-- [end:reference]
 
 
 def test_only_the_newest_query_counts():
