@@ -64,8 +64,6 @@ def test_the_missing_plugin_hint_names_kvflow_plugins():
     assert "installed evictors: none, random" in hint and "`kvflow plugins`" in hint
 
 
-@pytest.mark.xfail(strict=True, reason="kvflow.config.validate still builds its own hint for an unknown kind; "
-                                       "it should use kvflow.errors.unknown_component_hint")
 def test_validate_hints_at_the_missing_plugin():
     r = run_kvflow("validate", str(PIPELINE), env={"KVFLOW_DISABLE_PLUGINS": "tova"})
     assert r.returncode == 2 and "is the plugin that provides 'tova' installed" in r.stderr

@@ -11,6 +11,7 @@ _EVICTORS = {
     "rkv": "kvflow_builtin.evictors.rkv:RKVEvictor",
     "h2o": "kvflow_builtin.evictors.h2o:H2OEvictor",
     "vase": "kvflow_builtin.evictors.vase:VaSEEvictor",
+    "breadthkv": "kvflow_builtin.evictors.breadthkv:BreadthKVEvictor",
 }
 _PRUNERS = {
     "entropy": "kvflow_builtin.pruners.entropy:EntropyPruner",

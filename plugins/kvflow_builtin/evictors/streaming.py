@@ -31,7 +31,7 @@ class StreamingParams(EvictorParams):
 
     @model_validator(mode="after")
     def _sinks_fit(self):
-        if self.n_sink + self.window > self.budget:
+        if self.budget_bytes is None and self.n_sink + self.window > self.budget:
             raise ValueError(f"n_sink + window ({self.n_sink} + {self.window}) must not exceed budget ({self.budget})")
         return self
 

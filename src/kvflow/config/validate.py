@@ -25,7 +25,7 @@ from pydantic import BaseModel, ValidationError
 from kvflow.config.loader import Locations, PathParts, display_path, format_path, load_config
 from kvflow.config.overrides import apply_overrides
 from kvflow.config.schema import ComponentRef, Pipeline, ProposerConfig
-from kvflow.errors import ComponentImportError, ConfigProblem, UserError, did_you_mean
+from kvflow.errors import ComponentImportError, ConfigProblem, UserError, did_you_mean, unknown_component_hint
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvflow.registry import Registry
@@ -224,7 +224,7 @@ def _check_component(
     where = format_path(path + ("kind",))
     if not registry.has(kind, name):
         problems.append(ConfigProblem(loc.file, loc.line, where, f"unknown {kind[:-1]} '{name}'",
-                                      did_you_mean(name, registry.names(kind), f"installed {kind}")))
+                                      unknown_component_hint(kind, name, registry.names(kind))))
         return None
     try:
         cls = registry.get(kind, name)

@@ -69,7 +69,9 @@ def build_plan(loaded: LoadedPipeline, registry, on_load: Callable[[str], None] 
             pruners=[(p.name, p.cls(p.params)) for p in comps.pruners],
             record_signals=pipe.run.record_signals,
         )
-        proposers.append(Proposer(name, runner_for(cfg.model), comps.evictor.cls(comps.evictor.params), spec))
+        runner = runner_for(cfg.model)
+        evictor_params = resolve_budget_bytes(loaded, name, comps.evictor.params, runner.kv_shape())
+        proposers.append(Proposer(name, runner, comps.evictor.cls(evictor_params), spec))
     context = ScorerContext(
         load_session=lambda key: ScoringSession(runner_for(key), full_kv_cls(full_kv_cls.Params())),
         proposers=list(pipe.proposers), seed=pipe.run.seed, delimiter=pipe.run.delimiter, models=dict(pipe.models),
@@ -77,6 +79,45 @@ def build_plan(loaded: LoadedPipeline, registry, on_load: Callable[[str], None] 
     scorer = loaded.components.scorer.cls(loaded.components.scorer.params, context)
     committer = loaded.components.committer.cls(loaded.components.committer.params, list(pipe.proposers))
     return Plan(proposers, scorer, committer, pipe.limits, pipe.run.seed), runners
+
+
+def resolve_budget_bytes(loaded: LoadedPipeline, proposer: str, params, kv_shape: tuple[int, int, int, int]):
+    """Evictor params with `budget_bytes` turned into the largest token budget that fits, for a
+    model of kv_shape = (layers, kv_heads, head_dim, bytes per element); others unchanged."""
+    from kvflow.kv_memory import budget_for_bytes
+
+    if getattr(params, "budget_bytes", None) is None:
+        return params
+    where = f"proposers.{proposer}.evictor.budget_bytes"
+    try:
+        return params.with_budget(budget_for_bytes(params, *kv_shape))
+    except ValueError as e:  # too few bytes, or a budget the other parameters do not fit in
+        layers, heads, dim, elem = kv_shape
+        raise UserError([loaded.problem(where, f"{params.budget_bytes} bytes do not give a usable budget for "
+                                               f"this model ({layers} layers x {heads} KV heads x head_dim {dim}, "
+                                               f"{elem} bytes/element): {e}",
+                                        "raise budget_bytes; `kvflow explain` shows the bytes per token")]) from None
+
+
+def kv_memory(plan) -> dict:
+    """Per proposer, the KV bytes one sequence holds (manifest.json `kv_memory`): the token
+    budget (after any budget_bytes conversion), how many kept tokens are quantized and at how
+    many bits, bytes kept after a compaction and bytes allocated (the cache allocates exactly
+    this; tests/test_quant.py checks it against the tensors). A full cache has no bound."""
+    from kvflow.kv_memory import full_token_bytes, layout
+
+    out = {}
+    for p in plan.proposers:
+        layers, heads, dim, elem = p.runner.kv_shape()
+        entry = {"bytes_per_token": layers * heads * full_token_bytes(dim, elem), "budget": None, "n_quantized": 0,
+                 "bits": None, "kept_bytes": None, "peak_bytes": None}
+        if p.evictor.bounded:
+            lay = layout(p.evictor.params, layers, heads, dim, elem)
+            q = getattr(p.evictor.params, "quantize", None)
+            entry.update(budget=lay.budget, n_quantized=lay.n_quantized, bits=q.bits if q else None,
+                         kept_bytes=lay.kept_bytes, peak_bytes=lay.peak_bytes)
+        out[p.name] = entry
+    return out
 
 
 def pruner_owners(loaded: LoadedPipeline) -> dict[str, list[str]]:

@@ -96,7 +96,7 @@ def _decode(loaded: LoadedPipeline, registry, store: ResultsDir, todo, quiet: bo
     plan, runners = compile_.build_plan(loaded, registry, on_load=lambda key: _say(
         quiet, f"loading models.{key}: {pipe.models[key].id}"))
     base_runner = plan.proposers[0].runner
-    store.update_manifest(device=str(base_runner.device))
+    store.update_manifest(device=str(base_runner.device), kv_memory=compile_.kv_memory(plan))
     by_id = {p.id: p for p in todo}
     with Grader(timeout=pipe.run.grade_timeout) as grader, Progress(len(todo), enabled=not quiet) as progress:
         started: dict[str, float] = {}

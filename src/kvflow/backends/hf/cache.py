@@ -6,6 +6,14 @@ evictors that observe attention (H2O), a per-token statistic [rows, kv_heads, ca
 float32 that `Evictor.observe()` updates at every forward and that moves with the keys.
 Per row (shared by all layers): resident length, next logical position, protected prefix.
 
+With `quantize` on the evictor (BreadthKV, `kvflow.backends.hf.quant`), a row's logical slots
+[0, n_quantized) live packed in a `QuantizedStore` and the rest in a smaller full-precision
+array of `residual + buffer + 1` slots. Tokens leave the full-precision region a whole key
+group at a time when it fills (quantize only, until the store is full) or at a compaction
+(evict, then quantize the kept tokens but the newest `residual`). Attention, the
+evictor and H2O's statistic see the same logical slot order as an unquantized cache: a
+layer's `update()` returns the dequantized slots followed by the full-precision ones.
+
 Rows are written at their own offsets, so rows with different prompt lengths share one
 batch without left padding. A forward may carry right padding (rows with fewer new tokens
 than the widest row): padded tokens are written to a scratch slot past the resident region
@@ -21,7 +29,9 @@ from typing import Optional, Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from kvflow.backends.hf.quant import QuantizedStore
 from kvflow.components.base import Evictor
+from kvflow.kv_memory import n_quantized
 
 _GROW = 256  # capacity step for unbounded (full-KV) caches
 
@@ -37,6 +47,7 @@ class RowState:
     n_queries: torch.Tensor  # [rows] int64, valid entries at the right end of the query buffer
     rng_keys: torch.Tensor  # [rows] int64, per-row seed of stochastic evictors
     compactions: torch.Tensor  # [rows] int64, how many times each row was compacted
+    n_quantized: torch.Tensor  # [rows] int64, leading slots held quantized (0 without `quantize`)
 
     def select(self, rows: torch.Tensor) -> "RowState":
         return RowState(*(getattr(self, f).index_select(0, rows) for f in self.__dataclass_fields__))
@@ -54,12 +65,17 @@ class BudgetedLayer(CacheLayerMixin):
         self.cache = cache
         self.queries: Optional[torch.Tensor] = None  # [rows, q_heads, W, head_dim]
         self.stats: Optional[torch.Tensor] = None  # [rows, kv_heads, capacity] float32 (observing evictors)
+        self.qstore: Optional[QuantizedStore] = None  # slots [0, n_quantized) of each row (quantized caches)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         rows, kv_heads, _, head_dim = key_states.shape
-        cap = self.cache.capacity
+        cache = self.cache
+        cap = cache.fp_capacity if cache.quant else cache.capacity
         self.keys = key_states.new_zeros(rows, kv_heads, cap, head_dim)
         self.values = value_states.new_zeros(rows, kv_heads, cap, value_states.shape[-1])
+        if cache.quant:
+            self.qstore = QuantizedStore.empty(rows, kv_heads, cache.quant_capacity, head_dim, cache.quant.bits,
+                                               cache.quant.group_size, key_states.dtype, key_states.device)
         if self.cache.evictor.observes_attention:
             self.stats = torch.zeros(rows, kv_heads, cap, dtype=torch.float32, device=key_states.device)
         self.is_initialized = True
@@ -67,9 +83,11 @@ class BudgetedLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        elif self.keys.shape[2] < self.cache.capacity:
+        elif not self.cache.evictor.bounded and self.keys.shape[2] < self.cache.capacity:
             self._grow(self.cache.capacity)
         write = self.cache._write_plan  # set by BudgetedCache.begin_forward
+        if self.qstore is not None:
+            return self._update_quantized(key_states, value_states, write)
         if write.contiguous_at is not None:
             start, t = write.contiguous_at, key_states.shape[2]
             self.keys[:, :, start : start + t] = key_states
@@ -81,6 +99,31 @@ class BudgetedLayer(CacheLayerMixin):
             self.keys[row, :, write.slots] = key_states.transpose(1, 2)
             self.values[row, :, write.slots] = value_states.transpose(1, 2)
         return self.keys[:, :, : write.span], self.values[:, :, : write.span]
+
+    def _update_quantized(self, key_states, value_states, write: "WritePlan"):
+        row = torch.arange(key_states.shape[0], device=key_states.device)[:, None]  # [rows, 1]
+        self.keys[row, :, write.fp_slots] = key_states.transpose(1, 2)
+        self.values[row, :, write.fp_slots] = value_states.transpose(1, 2)
+        if write.view_index is None:  # nothing quantized yet: logical slots are full-precision slots
+            return self.keys[:, :, : write.span], self.values[:, :, : write.span]
+        return self.logical(write.view_index)
+
+    def logical(self, view_index: torch.Tensor, rows: Optional[torch.Tensor] = None):
+        """Keys and values of a quantized layer in logical slot order: [rows, kv_heads, N, D] each.
+
+        view_index: [rows, N] int64 into cat(dequantized slots, full-precision slots), see
+        `BudgetedCache.view_index`; rows: the device rows to read (all by default).
+        """
+        store = self.qstore if rows is None else self.qstore.map_rows(lambda t: t.index_select(0, rows))
+        fp_keys = self.keys if rows is None else self.keys.index_select(0, rows)
+        fp_values = self.values if rows is None else self.values.index_select(0, rows)
+        q_keys, q_values = store.dequantize()  # [rows, kv_heads, quant_capacity, D]
+        keys = torch.cat([q_keys, fp_keys], dim=2)
+        values = torch.cat([q_values, fp_values], dim=2)
+        r, n = view_index.shape
+        idx = view_index[:, None, :, None]
+        return (keys.gather(2, idx.expand(r, keys.shape[1], n, keys.shape[3])),
+                values.gather(2, idx.expand(r, values.shape[1], n, values.shape[3])))
 
     def record_queries(self, query: torch.Tensor) -> None:
         """Keep the last W real queries of each row, right-aligned. query: [rows, q_heads, T, head_dim]."""
@@ -127,6 +170,8 @@ class WritePlan:
     mask: Optional[torch.Tensor]  # [rows, 1, T, span] bool, None when plain causal is exact
     query_gather: Optional[torch.Tensor]  # [rows, W] int64
     observe_mask: Optional[torch.Tensor] = None  # [rows, T, span] bool, real (query, key) pairs (observing evictors)
+    fp_slots: Optional[torch.Tensor] = None  # [rows, T] full-precision slot of each new token (quantized caches)
+    view_index: Optional[torch.Tensor] = None  # [rows, span] logical -> stored slot (quantized caches, see view_index)
 
 
 class BudgetedCache(Cache):
@@ -145,6 +190,11 @@ class BudgetedCache(Cache):
             self.capacity = evictor.trigger + 1  # +1: the scratch slot for padding writes
         else:
             self.capacity = capacity or _GROW
+        self.quant = getattr(evictor.params, "quantize", None) if evictor.bounded else None
+        if self.quant:
+            budget = evictor.params.budget
+            self.quant_capacity = n_quantized(budget, self.quant)  # quantized slots per row
+            self.fp_capacity = budget - self.quant_capacity + evictor.params.buffer + 1  # residual + buffer + scratch
         super().__init__(layers=[BudgetedLayer(self) for _ in range(num_layers)])
         self._write_plan: Optional[WritePlan] = None
 
@@ -163,6 +213,8 @@ class BudgetedCache(Cache):
             if src.is_initialized:
                 dst.keys = src.keys.index_select(0, dev_rows)
                 dst.values = src.values.index_select(0, dev_rows)
+                if src.qstore is not None:
+                    dst.qstore = src.qstore.map_rows(lambda t: t.index_select(0, dev_rows))
                 if src.stats is not None:
                     dst.stats = src.stats.index_select(0, dev_rows)
                 dst.is_initialized = True
@@ -195,6 +247,11 @@ class BudgetedCache(Cache):
                 layer.values = torch.cat([take(p, "values", n) for p, n in zip(parts, sizes)])
                 if ref.stats is not None:
                     layer.stats = torch.cat([take(p, "stats", n) for p, n in zip(parts, sizes)])
+                if ref.qstore is not None:
+                    stores = [p.qstore if p.is_initialized else ref.qstore.map_rows(lambda t, n=n: t.new_zeros(n, *t.shape[1:]))
+                              for p, n in zip(parts, sizes)]
+                    layer.qstore = QuantizedStore(ref.qstore.bits, ref.qstore.group,
+                                                  *(torch.cat([getattr(q, f) for q in stores]) for f in QuantizedStore.FIELDS))
                 layer.is_initialized = True
             with_queries = [p.queries for p in parts if p.queries is not None]
             if with_queries:
@@ -204,8 +261,25 @@ class BudgetedCache(Cache):
         return out
 
     def resident_bytes(self) -> int:
-        """Bytes held by the key/value storage (all rows, all layers)."""
-        return sum(l.keys.numel() * l.keys.element_size() * 2 for l in self.layers if l.is_initialized)
+        """Bytes held by the key/value storage, quantized part included (all rows, all layers)."""
+        return sum(l.keys.numel() * l.keys.element_size() + l.values.numel() * l.values.element_size()
+                   + (l.qstore.nbytes() if l.qstore is not None else 0) for l in self.layers if l.is_initialized)
+
+    def room(self) -> torch.Tensor:
+        """[rows] int64: tokens each row can take before a compaction is due."""
+        if not self.evictor.bounded:
+            return torch.full_like(self.rows.lengths, 2**62)
+        if self.quant:
+            return self.fp_capacity - 1 - (self.rows.lengths - self.rows.n_quantized)
+        return self.evictor.trigger - self.rows.lengths
+
+    def view_index(self, n_quantized: torch.Tensor, span: int) -> torch.Tensor:
+        """[rows, span] int64: where logical slot s of each row is stored in
+        cat(quantized slots [quant_capacity], full-precision slots [fp_capacity])."""
+        s = torch.arange(span)[None, :]
+        nq = n_quantized[:, None]
+        idx = torch.where(s < nq, s, self.quant_capacity + s - nq)
+        return idx.clamp(max=self.quant_capacity + self.fp_capacity - 1)
 
     # ------------------------------------------------------------------ forward bookkeeping
 
@@ -214,7 +288,7 @@ class BudgetedCache(Cache):
         lengths = self.rows.lengths
         new_lengths = lengths + step_lens
         if self.evictor.bounded:
-            if int(new_lengths.max()) > self.evictor.trigger:
+            if bool((step_lens > self.room()).any()):
                 raise RuntimeError("BudgetedCache: forward would exceed budget + buffer; chunk the input")
         elif int(new_lengths.max()) + 1 > self.capacity:
             self.capacity = (int(new_lengths.max()) // _GROW + 2) * _GROW
@@ -239,7 +313,15 @@ class BudgetedCache(Cache):
             observe_mask = (key[None, None, :] <= (lengths[:, None, None] + t[None, :, None])) \
                 & (t[None, :, None] < step_lens[:, None, None])
             observe_mask = observe_mask.to(self.device)
-        self._write_plan = WritePlan(slots.to(self.device), span, contiguous_at, mask, query_gather, observe_mask)
+        fp_slots = view_index = None
+        if self.quant:
+            contiguous_at = None
+            nq = self.rows.n_quantized
+            fp_slots = torch.where(slots == scratch, self.fp_capacity - 1, slots - nq[:, None]).to(self.device)
+            if bool((nq > 0).any()):
+                view_index = self.view_index(nq, span).to(self.device)
+        self._write_plan = WritePlan(slots.to(self.device), span, contiguous_at, mask, query_gather, observe_mask,
+                                     fp_slots, view_index)
         return self._write_plan
 
     def end_forward(self, step_lens: torch.Tensor) -> None:
@@ -249,14 +331,24 @@ class BudgetedCache(Cache):
             self.rows.n_queries = torch.clamp(self.rows.n_queries + step_lens, max=self.query_window)
         self._write_plan = None
         if self.evictor.bounded:
-            due = (self.rows.lengths >= self.evictor.trigger).nonzero().flatten()
+            due = (self.room() <= 0).nonzero().flatten()
             if len(due):
                 self.compact(due)
 
     # ------------------------------------------------------------------ eviction
 
     def compact(self, rows: torch.Tensor) -> None:
-        """Evict rows down to exactly `budget` tokens per (layer, KV head)."""
+        """Evict rows down to exactly `budget` tokens per (layer, KV head). A quantized cache
+        is due when its full-precision region is full: until its quantized store is full, a
+        row only moves its oldest key groups there, so eviction still happens at exactly
+        `budget + buffer` resident tokens."""
+        if self.quant:  # rows whose quantized store is not full yet only quantize (same cadence as unquantized)
+            full = self.rows.n_quantized.index_select(0, rows) >= self.quant_capacity
+            for r in rows[~full].tolist():
+                self._quantize_oldest(r)
+            rows = rows[full]
+            if not len(rows):
+                return
         budget = self.evictor.params.budget
         lengths = self.rows.lengths.index_select(0, rows)
         n = int(lengths.max())
@@ -265,9 +357,14 @@ class BudgetedCache(Cache):
             torch.Generator().manual_seed((int(k) * 1_000_003 + int(c)) % 2**63)
             for k, c in zip(self.rows.rng_keys[rows], self.rows.compactions[rows])
         ]
+        if self.quant:
+            view_index = self.view_index(self.rows.n_quantized.index_select(0, rows), n).to(self.device)
         for layer_idx, layer in enumerate(self.layers):
-            keys = layer.keys.index_select(0, dev_rows)[:, :, :n]
-            values = layer.values.index_select(0, dev_rows)[:, :, :n]
+            if self.quant:
+                keys, values = layer.logical(view_index, dev_rows)
+            else:
+                keys = layer.keys.index_select(0, dev_rows)[:, :, :n]
+                values = layer.values.index_select(0, dev_rows)[:, :, :n]
             queries = layer.queries.index_select(0, dev_rows) if layer.queries is not None else None
             stats = layer.stats.index_select(0, dev_rows)[:, :, :n] if layer.stats is not None else None
             keep = self.evictor.select(
@@ -275,19 +372,48 @@ class BudgetedCache(Cache):
                 n_protected=self.rows.n_protected.index_select(0, rows), generators=generators, stats=stats,
             )  # [rows, kv_heads, budget]
             idx = keep.to(self.device)[..., None]
-            layer.keys[dev_rows, :, :budget] = keys.gather(2, idx.expand(-1, -1, -1, keys.shape[-1]))
-            layer.values[dev_rows, :, :budget] = values.gather(2, idx.expand(-1, -1, -1, values.shape[-1]))
+            kept_keys = keys.gather(2, idx.expand(-1, -1, -1, keys.shape[-1]))  # [rows, kv_heads, budget, D]
+            kept_values = values.gather(2, idx.expand(-1, -1, -1, values.shape[-1]))
+            if self.quant:
+                # already-quantized survivors are quantized again from their dequantized values:
+                # a key group may have lost members (per-value error stays within the new scale / 2)
+                nq = self.quant_capacity
+                layer.qstore.write(dev_rows, 0, kept_keys[:, :, :nq], kept_values[:, :, :nq])
+                layer.keys[dev_rows, :, : budget - nq] = kept_keys[:, :, nq:]
+                layer.values[dev_rows, :, : budget - nq] = kept_values[:, :, nq:]
+            else:
+                layer.keys[dev_rows, :, :budget] = kept_keys
+                layer.values[dev_rows, :, :budget] = kept_values
             if stats is not None:
                 kept = stats.gather(2, keep.to(self.device))
                 layer.stats[dev_rows] = torch.nn.functional.pad(kept, (0, layer.stats.shape[2] - budget))
         self.rows.lengths[rows] = budget
         self.rows.compactions[rows] += 1
+        if self.quant:
+            self.rows.n_quantized[rows] = self.quant_capacity
+
+    def _quantize_oldest(self, row: int) -> None:
+        """A row whose full-precision region is full but whose quantized store is not: move its
+        oldest whole key groups (all but at least `residual` tokens) into the store."""
+        g = self.quant.group_size
+        nq, length = int(self.rows.n_quantized[row]), int(self.rows.lengths[row])
+        residual = self.evictor.params.budget - self.quant_capacity
+        target = min(self.quant_capacity, (length - residual) // g * g)
+        moved, fp_len = target - nq, length - nq
+        if moved <= 0:  # cannot happen while buffer >= group_size (EvictorParams checks it)
+            raise RuntimeError("quantized cache: full-precision region full but no whole group to quantize")
+        dev = torch.tensor([row], device=self.device)
+        for layer in self.layers:
+            layer.qstore.write(dev, nq, layer.keys[dev, :, :moved], layer.values[dev, :, :moved])
+            layer.keys[row, :, : fp_len - moved] = layer.keys[row, :, moved:fp_len].clone()
+            layer.values[row, :, : fp_len - moved] = layer.values[row, :, moved:fp_len].clone()
+        self.rows.n_quantized[row] = target
 
 
 def new_rows(n: int, rng_keys: Sequence[int] | None = None) -> RowState:
     zeros = torch.zeros(n, dtype=torch.long)
     keys = torch.as_tensor(list(rng_keys) if rng_keys is not None else [0] * n, dtype=torch.long)
-    return RowState(zeros.clone(), zeros.clone(), zeros.clone(), zeros.clone(), keys, zeros.clone())
+    return RowState(zeros.clone(), zeros.clone(), zeros.clone(), zeros.clone(), keys, zeros.clone(), zeros.clone())
 
 
 class JointCache(Cache):

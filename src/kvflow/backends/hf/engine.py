@@ -32,6 +32,15 @@ class HFRunner:
         self.eos_ids = _eos_ids(model, tokenizer)
         self._pieces: dict[int, str] = {}
 
+    def kv_shape(self) -> tuple[int, int, int, int]:
+        """(layers, KV heads, head_dim, bytes per element) of this model's cache."""
+        cfg = self.model.config
+        heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        elem = next(self.model.parameters()).element_size()
+        return self.num_layers, kv_heads, head_dim, elem
+
     # ------------------------------------------------------------------ text
 
     def encode(self, text: str) -> list[int]:
@@ -136,7 +145,7 @@ class HFRunner:
         remaining = [list(x) for x in ids]
         while any(remaining):
             if cache.evictor.bounded:
-                room = (cache.evictor.trigger - cache.rows.lengths).tolist()
+                room = cache.room().tolist()
             else:
                 room = [_INGEST_CHUNK] * cache.n_rows
             chunk = [r[: max(0, n)] for r, n in zip(remaining, room)]
