@@ -124,15 +124,22 @@ def test_helper_rescues_when_base_candidates_are_pruned():
         assert t.steps and all(s.source == "helper" and not s.fallback for s in t.steps)
 
 
-def test_proposers_sharing_a_model_decode_in_one_batch_exactly():
+@pytest.mark.parametrize("quantized", [False, True])
+def test_proposers_sharing_a_model_decode_in_one_batch_exactly(quantized):
     """An evicted base and a full helper on one model decode in lockstep (one forward per
-    step for both); the trajectories equal those of separate forwards on a copy of the model."""
+    step for both); the trajectories equal those of separate forwards on a copy of the model.
+    Also with the base's kept cache quantized (BreadthKV) next to the full-precision helper."""
     import copy
 
     from kvflow.backends.hf.engine import HFRunner
+    from kvflow_builtin.evictors.breadthkv import BreadthKVEvictor
 
     runner = tiny_runner("llama")
-    evictor = RandomEvictor(RandomEvictor.Params(budget=24, buffer=8, window=4))
+    if quantized:
+        evictor = BreadthKVEvictor(BreadthKVEvictor.Params(budget=24, buffer=8, window=4, kernel=3,
+                                                           quantize=dict(bits=4, group_size=8, residual=4)))
+    else:
+        evictor = RandomEvictor(RandomEvictor.Params(budget=24, buffer=8, window=4))
     base = Proposer("base", runner, evictor, spec("base", n=2, temperature=0.7, max_step_tokens=12))
     joint = [Proposer("helper", runner, NoEviction(NoEviction.Params()), spec("helper", n=2, temperature=0.7, max_step_tokens=12))]
     apart = [Proposer("helper", HFRunner(copy.deepcopy(runner.model), runner.tokenizer), NoEviction(NoEviction.Params()),
