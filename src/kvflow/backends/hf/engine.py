@@ -14,6 +14,7 @@ import torch
 
 from kvflow.backends.hf.attention import kvflow_attention_enabled
 from kvflow.backends.hf.cache import BudgetedCache, JointCache, new_rows
+from kvflow.backends.hf.matmul import fp32_linear, fp32_min_tokens
 from kvflow.components.base import Evictor
 
 _INGEST_CHUNK = 512  # tokens per forward when ingesting into an unbounded cache
@@ -31,6 +32,14 @@ class HFRunner:
         self.num_layers = model.config.num_hidden_layers
         self.eos_ids = _eos_ids(model, tokenizer)
         self._pieces: dict[int, str] = {}
+        # bf16 on a CPU without fast bf16 GEMMs: forwards of this many tokens or more compute
+        # their linear layers in float32 (kvflow.backends.hf.matmul); None = never
+        self.fp32_min_tokens: Optional[int] = fp32_min_tokens(model)
+
+    def upcast(self, n_tokens: int):
+        """Context for a forward (or LM head) over `n_tokens` rows x tokens: float32 linear
+        layers where that is faster here (see kvflow.backends.hf.matmul), else nothing."""
+        return fp32_linear(self.fp32_min_tokens is not None and n_tokens >= self.fp32_min_tokens)
 
     def kv_shape(self) -> tuple[int, int, int, int]:
         """(layers, KV heads, head_dim, bytes per element) of this model's cache."""
@@ -99,7 +108,7 @@ class HFRunner:
         width = input_ids.shape[1]
         plan = cache.begin_forward(step_lens, width)
         positions = cache.rows.positions[:, None] + torch.arange(width)[None, :]  # [rows, T]
-        with kvflow_attention_enabled(self.model):
+        with kvflow_attention_enabled(self.model), self.upcast(input_ids.numel()):
             out = self.body(
                 input_ids=input_ids.to(self.device),
                 position_ids=positions.to(self.device),
@@ -127,7 +136,7 @@ class HFRunner:
         joint = JointCache(caches)
         mask = joint.begin_forward()
         positions = torch.cat([c.rows.positions for c in caches])[:, None]  # [rows, 1]
-        with kvflow_attention_enabled(self.model):
+        with kvflow_attention_enabled(self.model), self.upcast(int(positions.shape[0])):
             out = self.body(
                 input_ids=torch.cat(list(pending))[:, None].to(self.device),
                 position_ids=positions.to(self.device),

@@ -64,7 +64,9 @@ class ScoringSession:
             lps = []
             for start in range(0, len(x), _POSITIONS_PER_CHUNK):
                 h = hidden[r, start : start + _POSITIONS_PER_CHUNK][: len(x) - start]
-                logp = torch.log_softmax(self.runner.lm_head(h).float(), dim=-1)
+                with self.runner.upcast(h.shape[0]):
+                    logits = self.runner.lm_head(h)
+                logp = torch.log_softmax(logits.float(), dim=-1)
                 target = torch.as_tensor(x[start : start + len(h)], device=logp.device)
                 lps.extend(logp.gather(-1, target[:, None]).squeeze(-1).tolist())
             out.append(lps)
