@@ -13,9 +13,11 @@ Numerics: CPU bf16 GEMMs accumulate in float32 and round the output to bf16, as 
 results may differ from the bf16 kernel in the last bit (summation order). Decode steps of a
 few rows are left alone: there the conversion costs more than it saves.
 
-`fp32_min_tokens(model)` decides once per process and weight shape whether this pays here:
-it times one linear layer both ways at 64 rows. `KVFLOW_CPU_FP32_MATMUL=0` turns it off,
-`=1` turns it on without measuring.
+`fp32_min_tokens(model)` decides once per process, weight shape and torch thread count
+whether this pays here: it times one linear layer both ways at 64 rows. `KVFLOW_CPU_FP32_MATMUL=0`
+turns it off, `=1` turns it on without measuring. On a busy 2-core machine two torch threads
+made the float32 GEMM 3-4x slower than one (the bf16 kernel did not care), so the measurement
+there says no with two threads and yes with one (`OMP_NUM_THREADS=1`); see docs/benchmarks.md.
 """
 
 from __future__ import annotations
