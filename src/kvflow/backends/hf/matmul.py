@@ -13,18 +13,19 @@ Numerics: CPU bf16 GEMMs accumulate in float32 and round the output to bf16, as 
 results may differ from the bf16 kernel in the last bit (summation order). Decode steps of a
 few rows are left alone: there the conversion costs more than it saves.
 
-`fp32_min_tokens(model)` decides once per process, weight shape and torch thread count
-whether this pays here: it times one linear layer both ways at 64 rows. `KVFLOW_CPU_FP32_MATMUL=0`
-turns it off, `=1` turns it on without measuring. On a busy 2-core machine two torch threads
-made the float32 GEMM 3-4x slower than one (the bf16 kernel did not care), so the measurement
-there says no with two threads and yes with one (`OMP_NUM_THREADS=1`); see docs/benchmarks.md.
+`fp32_min_tokens(model)` decides from the CPU's instruction set, not from a timing, so the
+same machine always computes the same way (a timing would make the numerics, hence sampled
+tokens, depend on how busy the machine was): upcast on x86 CPUs without native bfloat16
+matmul (no `avx512_bf16` / `amx_bf16` in /proc/cpuinfo), never elsewhere.
+`KVFLOW_CPU_FP32_MATMUL=0` turns it off, `=1` turns it on. On a busy 2-core machine two torch
+threads made the float32 GEMM 3-4x slower than one (the bf16 kernel did not care), so use
+one thread there (`OMP_NUM_THREADS=1`); see docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import time
 from typing import Iterator, Optional
 
 import torch
@@ -32,7 +33,6 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 MIN_TOKENS = 32  # rows x tokens of a forward from which linear layers upcast
-_decisions: dict[tuple, bool] = {}
 
 
 class _Fp32Linear(TorchFunctionMode):
@@ -58,7 +58,7 @@ def fp32_linear(enabled: bool = True) -> Iterator[None]:
 
 
 def fp32_min_tokens(model: torch.nn.Module) -> Optional[int]:
-    """Tokens per forward from which to upcast, or None to never (not CPU, not bf16, or not faster)."""
+    """Tokens per forward from which to upcast, or None to never (not CPU, not bf16, or a CPU with native bf16)."""
     setting = os.environ.get("KVFLOW_CPU_FP32_MATMUL", "auto").strip().lower()
     if setting in ("0", "false", "no", "off"):
         return None
@@ -67,39 +67,13 @@ def fp32_min_tokens(model: torch.nn.Module) -> Optional[int]:
         return None
     if setting in ("1", "true", "yes", "on"):
         return MIN_TOKENS
-    weight = _largest_linear_weight(model)
-    if weight is None:
-        return None
-    key = (tuple(weight.shape), torch.get_num_threads())
-    if key not in _decisions:
-        _decisions[key] = _upcast_is_faster(weight)
-    return MIN_TOKENS if _decisions[key] else None
+    return MIN_TOKENS if _cpu_lacks_bf16_matmul() else None
 
 
-def _largest_linear_weight(model: torch.nn.Module) -> Optional[torch.Tensor]:
-    best = None
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear) and module.weight.dtype == torch.bfloat16:
-            if module.weight.shape[0] * module.weight.shape[1] >= 50_000_000:  # skip the LM head
-                continue
-            if best is None or module.weight.numel() > best.numel():
-                best = module.weight
-    return best
-
-
-@torch.inference_mode()
-def _upcast_is_faster(weight: torch.Tensor, rows: int = 64) -> bool:
-    x = torch.randn(rows, weight.shape[1], dtype=torch.bfloat16)
-
-    def best_of(fn, n=3):
-        fn()
-        times = []
-        for _ in range(n):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        return min(times)
-
-    native = best_of(lambda: F.linear(x, weight))
-    upcast = best_of(lambda: F.linear(x.float(), weight.float()).to(torch.bfloat16))
-    return upcast < 0.7 * native
+def _cpu_lacks_bf16_matmul() -> bool:
+    """True on x86 CPUs without AVX512-BF16 or AMX-BF16 (where PyTorch's bf16 GEMM is slow)."""
+    try:
+        flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return "avx2" in flags.split() and not ({"avx512_bf16", "amx_bf16"} & set(flags.split()))
