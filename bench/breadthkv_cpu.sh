@@ -7,11 +7,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-docs/results/breadthkv}
-exec .venv/bin/kvflow run pipelines/cpu/breadthkv.yaml \
-  --set models.base.id=catalog:qwen2.5-coder-0.5b-instruct \
-  --set models.helper.id=catalog:qwen2.5-coder-0.5b-instruct \
-  --set proposers.base.n=1 --set proposers.base.sampling.temperature=0 \
-  --set 'scorer={kind: random}' \
-  --set limits.max_tokens=512 --set run.output="$OUT" \
+SETS=(--set models.base.id=catalog:qwen2.5-coder-0.5b-instruct
+      --set models.helper.id=catalog:qwen2.5-coder-0.5b-instruct
+      --set proposers.base.n=1 --set proposers.base.sampling.temperature=0
+      --set 'scorer={kind: random}'
+      --set limits.max_tokens=512 --set run.output="$OUT")
+.venv/bin/kvflow run pipelines/cpu/breadthkv.yaml "${SETS[@]}" \
   --sweep proposers.base.evictor.budget_bytes=786432,1572864 \
   --sweep 'proposers.base.evictor.quantize=null,{bits: 4, group_size: 32, residual: 16}' "$@"
+# the full-KV reference on the same problems
+.venv/bin/kvflow run pipelines/cpu/breadthkv.yaml "${SETS[@]}" --set 'proposers.base.evictor={kind: none}' "$@"
+# and a report over the five runs
+.venv/bin/kvflow report "$OUT" --out "$OUT/report"
