@@ -214,3 +214,16 @@ def test_report_import_is_light():
     code = ("import sys, kvflow.cli, kvflow.report; "
             "assert not {'torch', 'transformers', 'matplotlib'} & set(sys.modules), 'heavy import'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_budget_and_bits_of_a_byte_budget_run_come_from_the_manifest(tmp_path):
+    """A `budget_bytes` run has no `budget` in its config: the report takes the converted token
+    budget and the quantization bits from manifest.json `kv_memory`."""
+    from kvflow.report.runs import Run
+
+    config = {"proposers": {"base": {"evictor": {"kind": "breadthkv", "budget_bytes": 786432}}}}
+    manifest = {"kv_memory": {"base": {"budget": 152, "bits": 4}}}
+    run = Run(tmp_path, config, manifest, [], {}, True, ["base"])
+    assert run.budget == 152 and run.evictor == "breadthkv (4-bit)"
+    run = Run(tmp_path, config, {}, [], {}, True, ["base"])  # written before kv_memory existed
+    assert run.evictor == "breadthkv" and run.budget == 64

@@ -4,7 +4,8 @@ A `Run` is one results directory (DESIGN.md §8): its resolved config, manifest,
 records and the metrics (metrics.json, or recomputed from samples.jsonl for a run that has
 not finished). What a run *is* comes from its config:
 
-- `evictor`, `budget`: `proposers.<first>.evictor.kind/budget` (the first proposer is the base);
+- `evictor`, `budget`: `proposers.<first>.evictor.kind/budget` (the first proposer is the base;
+  the manifest's `kv_memory` gives the token budget of a `budget_bytes` run and its bits);
 - `variant`: the ablation it belongs to (DESIGN.md §5): best-of-N (base only, no pruners),
   early exit (base only, with pruners), interleave (a helper, no pruners on the base),
   interleave + early exit (both), helper only (a single proposer called or using `helper`);
@@ -53,10 +54,18 @@ class Run:
         names = list(props)
         return (props.get(names[i]) or {}) if i < len(names) else {}
 
+    def _kv_memory(self) -> dict:
+        """The base's `kv_memory` entry of the manifest (token budget after any budget_bytes
+        conversion, quantization bits); {} for runs written before it existed."""
+        props = list(self.config.get("proposers") or {})
+        return ((self.manifest.get("kv_memory") or {}).get(props[0]) or {}) if props else {}
+
     @property
     def evictor(self) -> str:
         ev = self._proposer().get("evictor") or {}
-        return str(ev.get("kind", "none"))
+        kind = str(ev.get("kind", "none"))
+        bits = self._kv_memory().get("bits")
+        return f"{kind} ({bits}-bit)" if bits else kind
 
     @property
     def full_kv(self) -> bool:
@@ -66,6 +75,8 @@ class Run:
     def budget(self) -> Optional[int]:
         if self.full_kv:
             return None
+        if self._kv_memory().get("budget") is not None:
+            return int(self._kv_memory()["budget"])
         ev = self._proposer().get("evictor") or {}
         if "budget" in ev:
             return ev["budget"]
