@@ -454,12 +454,18 @@ class _JointLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         span = self.joint.span
-        keys, values = [], []
+        keys = values = None
+        row = 0
         for part, k, v in zip(self.joint.parts, key_states.split(self.joint.splits), value_states.split(self.joint.splits)):
             pk, pv = part.layers[self.idx].update(k, v)  # [rows_i, kv_heads, span_i, head_dim]
-            keys.append(torch.nn.functional.pad(pk, (0, 0, 0, span - pk.shape[2])))
-            values.append(torch.nn.functional.pad(pv, (0, 0, 0, span - pv.shape[2])))
-        return torch.cat(keys), torch.cat(values)
+            if keys is None:  # one copy into a zeroed joint tensor (pad + cat would copy twice)
+                keys = pk.new_zeros(key_states.shape[0], pk.shape[1], span, pk.shape[3])
+                values = pv.new_zeros(value_states.shape[0], pv.shape[1], span, pv.shape[3])
+            n = pk.shape[0]
+            keys[row:row + n, :, : pk.shape[2]] = pk
+            values[row:row + n, :, : pv.shape[2]] = pv
+            row += n
+        return keys, values
 
     def record_queries(self, query: torch.Tensor) -> None:
         for part, q in zip(self.joint.parts, query.split(self.joint.splits)):
