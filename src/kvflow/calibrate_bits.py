@@ -42,8 +42,8 @@ class BitsRow:
 
 def _byte_budget(loaded, base: str) -> tuple[int, str]:
     """The base's byte budget: its budget_bytes, else the bytes of its token budget at full precision."""
-    from kvflow.explain import _DTYPE_BYTES, model_shape
-    from kvflow.kv_memory import full_token_bytes
+    from kvflow.explain import model_shape
+    from kvflow.kv_memory import DTYPE_BYTES, full_token_bytes
 
     pipe = loaded.pipeline
     spec = loaded.components.proposers[base].evictor
@@ -59,7 +59,7 @@ def _byte_budget(loaded, base: str) -> tuple[int, str]:
     if shape is None:
         raise UserError(loaded.problem(where, f"cannot convert budget {params.budget} to bytes: model shape {note}",
                                        "give the evictor budget_bytes instead of budget"))
-    per_token = shape.n_layers * shape.n_kv_heads * full_token_bytes(shape.head_dim, _DTYPE_BYTES.get(model.dtype, 2))
+    per_token = shape.n_layers * shape.n_kv_heads * full_token_bytes(shape.head_dim, DTYPE_BYTES.get(model.dtype, 2))
     return params.budget * per_token, f"budget {params.budget} tokens at full precision"
 
 
@@ -156,8 +156,8 @@ def calibrate_bits(file, bits: Sequence[int], n_problems: int, *, sets: Sequence
 
 def _budget_tokens(point, base: str) -> Optional[int]:
     """The token budget the byte budget buys for this bit-width (from the model's shape)."""
-    from kvflow.explain import _DTYPE_BYTES, model_shape
-    from kvflow.kv_memory import budget_for_bytes
+    from kvflow.explain import model_shape
+    from kvflow.kv_memory import DTYPE_BYTES, budget_for_bytes
 
     pipe = point.pipeline
     model = pipe.models[pipe.proposers[base].model]
@@ -167,6 +167,6 @@ def _budget_tokens(point, base: str) -> Optional[int]:
     params = point.components.proposers[base].evictor.params
     try:
         return budget_for_bytes(params, shape.n_layers, shape.n_kv_heads, shape.head_dim,
-                                _DTYPE_BYTES.get(model.dtype, 2))
+                                DTYPE_BYTES.get(model.dtype, 2))
     except ValueError:
         return None

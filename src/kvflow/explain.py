@@ -15,6 +15,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
+from kvflow.kv_memory import DTYPE_BYTES
+
 if TYPE_CHECKING:  # pragma: no cover
     from kvflow.config.validate import ComponentSpec, LoadedPipeline
     from kvflow.cost import ModelShape
@@ -22,8 +24,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 #: a typical prompt length (tokens) added to `limits.max_tokens` for a full (unevicted) cache
 TYPICAL_PROMPT_TOKENS = 256
-
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "auto": 2}
 
 
 def _fmt_value(v: Any) -> str:
@@ -167,7 +167,7 @@ def _budget_lines(pname: str, params: Any, shape: Optional["ModelShape"], note: 
     if shape is None:
         what = f"budget_bytes {params.budget_bytes}" if params.budget_bytes else f"budget {params.budget}"
         return [f"  {pname}: {what} (tokens and bytes need the model's shape: {note})"]
-    elem = _DTYPE_BYTES.get(dtype, 2)
+    elem = DTYPE_BYTES.get(dtype, 2)
     dims = (shape.n_layers, shape.n_kv_heads, shape.head_dim, elem)
     budget, source = params.budget, f"budget {params.budget} tokens"
     if params.budget_bytes is not None:
@@ -273,7 +273,7 @@ def explain_lines(loaded: "LoadedPipeline", registry: Optional["Registry"] = Non
         if shape is None:
             out.append(f"  {pname}: {tokens} tokens ({how}) x ? per token = {note}")
             continue
-        bpe = _DTYPE_BYTES.get(m.dtype, 2)
+        bpe = DTYPE_BYTES.get(m.dtype, 2)
         per_token = kv_bytes_per_token(shape, bpe)
         per_seq = per_token * tokens
         out.append(f"  {pname}: {tokens} tokens ({how}) x {_human_bytes(per_token)}/token = "
