@@ -20,7 +20,8 @@ IDS = [f"gsm8k/{i}" for i in range(10)]
 
 def make_run(root: Path, name: str, correct: list[bool], *, evictor: str = "rkv", budget: Optional[int] = 64,
              n: int = 8, helper: bool = True, pruners: bool = True, dataset: Optional[dict] = None,
-             metrics: bool = True, steps: int = 4, helper_steps: int = 1, cap: Optional[list[bool]] = None) -> Path:
+             metrics: bool = True, steps: int = 4, helper_steps: int = 1, cap: Optional[list[bool]] = None,
+             base_tokens: float = 100.0) -> Path:
     """A results directory as `kvflow run` writes it; problem i is correct iff correct[i]."""
     dataset = dataset or {"name": "gsm8k", "limit": len(correct), "offset": 0, "shuffle": False,
                           "prompt": "qwen25-math-cot"}
@@ -46,7 +47,7 @@ def make_run(root: Path, name: str, correct: list[bool], *, evictor: str = "rkv"
             "id": IDS[i], "question": "q", "gold": "1", "prediction": "1" if ok else "2", "correct": ok,
             "steps": [{"text": "s", "source": src, "score": 0.5} for src, k in counts.items() for _ in range(k)],
             "step_counts": counts, "output_tokens": 10 * steps,
-            "tokens_generated": {"base": 100.0, **({"helper": 50.0} if helper else {})},
+            "tokens_generated": {"base": base_tokens, **({"helper": 50.0} if helper else {})},
             "candidates": {"base": 10 * n, **({"helper": 10 * n} if helper else {})},
             "pruned": {"entropy": 2, "gzip": 1} if pruners else {},
             "finish": "cap_tokens" if cap[i] else "answer", "degenerate": bool(cap[i] and not ok), "seconds": 1.0})
@@ -191,6 +192,39 @@ def test_mixed_problem_sets_are_refused(tmp_path, cli):
         assert "Traceback" not in res.output
     res = cli("report", a, b, c, "--allow-mixed")
     assert res.exit_code == 0 and "limit=3" in res.stdout
+
+
+def test_rescue_table_in_the_papers_table2_form(tmp_path):
+    root = tmp_path / "r"
+    full = [i < 8 for i in range(10)]  # full KV right on 0-7
+    make_run(root, "full", full, evictor="none", helper=False, pruners=False)
+    # evicted best-of-N right on 0-3, degenerate (wrong at the cap) on 6-9
+    make_run(root, "bon", [i < 4 for i in range(10)], helper=False, pruners=False, base_tokens=400.0,
+             cap=[i >= 6 for i in range(10)])
+    make_run(root, "bon_random", [False] * 10, evictor="random", helper=False, pruners=False)
+    make_run(root, "interleave", [i < 6 for i in range(10)], pruners=False, base_tokens=300.0)
+    # KV-Rescue finished only problems 0-7 so far: every number of its row is on those 8
+    make_run(root, "rescue", [i < 7 for i in range(8)], base_tokens=200.0, steps=4, helper_steps=1,
+             cap=[i == 7 for i in range(8)], dataset={"name": "gsm8k", "limit": 10, "offset": 0, "shuffle": False})
+    helper = make_run(root, "helper_only", [2 <= i < 6 for i in range(10)], evictor="none", helper=False,
+                      pruners=False)
+    cfg_path = helper / "config.resolved.yaml"
+    cfg = yaml.safe_load(cfg_path.read_text())
+    cfg["proposers"] = {"helper": {"model": "helper", "n": 8}}
+    cfg_path.write_text(yaml.safe_dump(cfg))
+
+    t = _table(report_command([str(root / "*")], echo=lambda s: None), "rescue")
+    assert len(t.rows) == 1  # one KV-Rescue run; bon_random is another evictor's baseline
+    row = dict(zip(t.columns, t.rows[0]))
+    assert row["setting"] == "rkv B=64 N=8" and row["problems"] == 8
+    assert (row["full KV"], row["evicted"], row["KV-Rescue"]) == (1.0, 0.5, 7 / 8)
+    assert row["lost to eviction"] == 0.5 and row["recovered"] == pytest.approx(0.75)
+    assert row["oracle recovered"] == pytest.approx((6 / 8 - 0.5) / 0.5)  # evicted or helper: 0-5
+    assert row["base tokens saved"] == pytest.approx(0.5) and row["saved by early exit"] == pytest.approx(1 / 3)
+    assert row["degenerate: evicted"] == 0.25 and row["degenerate: KV-Rescue"] == 0.125
+    assert row["helper steps"] == 0.25 and row["base candidates exited"] == pytest.approx(3 / 80)
+    assert "Table 2 form" in t.markdown()
+    assert not [t for t in report_command([str(root / "bon__*")], echo=lambda s: None) if t.name == "rescue"]
 
 
 def test_cli_errors_and_csv(tmp_path, cli):

@@ -10,6 +10,10 @@ Tables (each also a CSV under --out):
 - `decode_cost`: steps, output length, base and helper tokens per problem;
 - `ablation`: the paper's ablation rows (best-of-N, early exit, interleave, both, full KV);
 - `step_share`: committed-step share by source, by N and budget (runs with a helper);
+- `rescue` (with a KV-Rescue run): the paper's Table 2 form, per KV-Rescue run against its
+  full-KV and evicted best-of-N baselines: accuracy lost to eviction, share recovered, the
+  answer-level oracle's share (with a helper-only run), base tokens saved (overall and by
+  early exit, with an interleave-only run), degeneration rates, helper step share;
 - `oracle` (with the --oracle-* flags): answer-level oracle of an evicted-base run and a
   full-KV helper run (correct if either is), and the share of the full-vs-evicted gap it
   and every other run over the same problems recover.
@@ -38,9 +42,9 @@ def load_runs(args: Sequence[str]) -> list[Run]:
 
 def build_tables(runs: Sequence[Run], oracle: Optional[T.Oracle] = None) -> list[T.Table]:
     tables = [T.runs_table(runs), T.accuracy_vs_budget(runs), T.decode_cost(runs), T.ablation(runs)]
-    share = T.step_share(runs)
-    if share is not None:
-        tables.append(share)
+    for extra in (T.step_share(runs), T.rescue_table(runs)):
+        if extra is not None:
+            tables.append(extra)
     if oracle is not None:
         tables.append(T.oracle_table(oracle, runs))
     return tables

@@ -120,6 +120,15 @@ class Run:
     def correct_by_id(self) -> dict[str, bool]:
         return {r["id"]: bool(r.get("correct")) for r in self.records}
 
+    def metrics_on(self, ids: Iterable[str]) -> dict:
+        """The run's metrics recomputed over the problems in `ids` only (to compare runs that
+        finished different problems on the problems they have in common)."""
+        from kvflow.runtime.results import compute_metrics
+
+        keep = set(ids)
+        records = [r for r in self.records if r["id"] in keep]
+        return compute_metrics(records, self.proposers, _pruner_owners(self.config)) if records else {"n_problems": 0}
+
 
 def _default_param(kind: str, name: str, param: str) -> Any:
     try:

@@ -228,3 +228,75 @@ def oracle_table(o: Oracle, runs: Sequence[Run]) -> Table:
         acc = sum(d[i] for i in o.ids) / n
         t.rows.append([f"{r.variant} ({_budget_text(r)})", acc, recovery(acc, o.acc_evicted, o.acc_full), r.label])
     return t
+
+
+def rescue_table(runs: Sequence[Run]) -> Optional[Table]:
+    """The paper's Table 2 form: per KV-Rescue run, its full-KV and evicted best-of-N baselines
+    (same evictor, budget and N), what eviction lost and what KV-Rescue won back.
+
+    Every number of a row is computed on the problems that all of its runs finished, so
+    partial runs compare fairly. `oracle recovered` needs a helper-only run; `saved by early
+    exit` needs an interleave-only run of the same setting."""
+    rescues = [r for r in runs if r.variant == "interleave + early exit" and not r.full_kv]
+    if not rescues:
+        return None
+    cols = ["setting", "problems", "full KV", "evicted", "KV-Rescue", "lost to eviction", "recovered",
+            "oracle recovered", "base tokens saved", "saved by early exit", "degenerate: evicted",
+            "degenerate: KV-Rescue", "helper steps", "base candidates exited"]
+    t = Table("rescue", "KV-Rescue vs eviction (the paper's Table 2 form)", cols,
+              percent=set(cols[2:]),
+              note="Per KV-Rescue run: full KV and evicted = best-of-N runs with the same N (evicted: same "
+                   "evictor and budget). Lost = full − evicted; recovered = (KV-Rescue − evicted) / lost; "
+                   "oracle recovered = the same for an answer-level pick that is right when the evicted base "
+                   "or the helper-only run is; base tokens saved = 1 − KV-Rescue's base tokens / best-of-N's; "
+                   "saved by early exit = 1 − KV-Rescue's / interleave-only's; degenerate = incorrect and at the "
+                   "step or token cap; helper steps = share of committed steps from the helper. All on the "
+                   "problems every run of the row finished.")
+
+    def pick(pred) -> Optional[Run]:
+        sel = [r for r in runs if pred(r)]
+        return sel[-1] if sel else None
+
+    for rescue in sorted(rescues, key=lambda r: (r.evictor, r.budget or 0, r.n, r.label)):
+        same = (lambda r: r.evictor == rescue.evictor and r.budget == rescue.budget and r.n == rescue.n
+                and not r.full_kv)
+        evicted = pick(lambda r: r.variant == "best-of-N" and same(r))
+        full = pick(lambda r: r.variant == "best-of-N" and r.full_kv and r.n == rescue.n) or \
+            pick(lambda r: r.variant == "best-of-N" and r.full_kv)
+        interleave = pick(lambda r: r.variant == "interleave" and same(r))
+        helper = pick(lambda r: r.variant == "helper only")
+        row_runs = [x for x in (rescue, evicted, full) if x is not None]
+        ids = set.intersection(*(set(x.correct_by_id()) for x in row_runs))
+        if interleave is not None:
+            ids &= set(interleave.correct_by_id())
+        if helper is not None:
+            ids &= set(helper.correct_by_id())
+        setting = f"{rescue.evictor} B={_budget_text(rescue)} N={rescue.n}"
+        if not ids:
+            t.rows.append([setting, 0] + [None] * (len(cols) - 2))
+            continue
+        m = {name: (x.metrics_on(ids) if x is not None else None)
+             for name, x in (("rescue", rescue), ("evicted", evicted), ("full", full), ("interleave", interleave))}
+
+        def get(name: str, key: str) -> Optional[float]:
+            return m[name].get(key) if m[name] is not None else None
+
+        acc_r, acc_e, acc_f = get("rescue", "accuracy"), get("evicted", "accuracy"), get("full", "accuracy")
+        lost = acc_f - acc_e if acc_f is not None and acc_e is not None else None
+        oracle_rec = None
+        if helper is not None and evicted is not None:
+            ev, hp = evicted.correct_by_id(), helper.correct_by_id()
+            oracle_rec = recovery(sum(ev[i] or hp[i] for i in ids) / len(ids), acc_e, acc_f)
+        base_r, base_e, base_i = (get("rescue", "mean_base_tokens"), get("evicted", "mean_base_tokens"),
+                                  get("interleave", "mean_base_tokens"))
+        helpers = [p for p in rescue.proposers[1:]]
+        t.rows.append([
+            setting, len(ids), acc_f, acc_e, acc_r, lost,
+            recovery(acc_r, acc_e, acc_f) if acc_e is not None else None, oracle_rec,
+            1 - base_r / base_e if base_r is not None and base_e else None,
+            1 - base_r / base_i if base_r is not None and base_i else None,
+            get("evicted", "degeneration_rate"), get("rescue", "degeneration_rate"),
+            sum((m["rescue"].get("step_share") or {}).get(p, 0.0) for p in helpers),
+            get("rescue", "early_exit_fraction"),
+        ])
+    return t
