@@ -24,6 +24,22 @@ def test_default_pipeline_runs_end_to_end(tmp_path, cli):
     assert json.loads((run_dir / "metrics.json").read_text())["n_problems"] == 3
 
 
+def test_run_threads_are_set_for_the_run_and_restored(tmp_path, cli):
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        path = tiny_pipeline(tmp_path, problems=1, helper=False, extra={"run": {"threads": 1}})
+        result = cli("run", path)
+        assert result.exit_code == 0, result.output
+        (run_dir,) = (tmp_path / "results").iterdir()
+        assert json.loads((run_dir / "manifest.json").read_text())["threads"] == 1
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_include_shrinks_a_shipped_pipeline(tmp_path):
     path = tiny_pipeline(tmp_path, include=REPO / "pipelines" / "kv_rescue.yaml", helper=False,
                          evictor={"kind": "streaming", "budget": 12}, scorer={"kind": "random"},

@@ -93,6 +93,9 @@ class RunConfig(Frozen):
     output: str = Field("results", description="Parent directory of results directories.")
     delimiter: str = Field("\n\n", min_length=1, description="Step delimiter.")
     grade_timeout: float = Field(10.0, gt=0, description="Seconds before a grading call counts as wrong.")
+    threads: Optional[int] = Field(
+        None, ge=1, description="Torch CPU threads during the run (restored after it); unset: torch's default "
+        "(OMP_NUM_THREADS). On a small shared CPU one thread can be several times faster (docs/benchmarks.md).")
     record_signals: bool = Field(False, description="Record every candidate's per-token pruner signals in samples.jsonl (for `kvflow calibrate`).")
     baselines: Optional[BaselinesConfig] = Field(
         None, description="Results directories whose metrics.json give recovery = (acc - acc_evicted) / (acc_full - acc_evicted).")

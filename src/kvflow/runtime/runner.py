@@ -84,6 +84,19 @@ def run_pipeline(loaded: LoadedPipeline, *, force: bool = False, registry=None, 
 def _decode(loaded: LoadedPipeline, registry, store: ResultsDir, todo, quiet: bool) -> None:
     import torch
 
+    pipe = loaded.pipeline
+    threads = torch.get_num_threads()
+    if pipe.run.threads:
+        torch.set_num_threads(pipe.run.threads)
+    try:
+        _decode_with(loaded, registry, store, todo, quiet)
+    finally:
+        torch.set_num_threads(threads)  # in-process callers (tests, notebooks) keep their setting
+
+
+def _decode_with(loaded: LoadedPipeline, registry, store: ResultsDir, todo, quiet: bool) -> None:
+    import torch
+
     from kvflow.components.base import Trajectory
     from kvflow.eval.answer import extract_answer
     from kvflow.eval.grading import Grader
@@ -96,7 +109,8 @@ def _decode(loaded: LoadedPipeline, registry, store: ResultsDir, todo, quiet: bo
     plan, runners = compile_.build_plan(loaded, registry, on_load=lambda key: _say(
         quiet, f"loading models.{key}: {pipe.models[key].id}"))
     base_runner = plan.proposers[0].runner
-    store.update_manifest(device=str(base_runner.device), kv_memory=compile_.kv_memory(plan))
+    store.update_manifest(device=str(base_runner.device), threads=torch.get_num_threads(),
+                          kv_memory=compile_.kv_memory(plan))
     by_id = {p.id: p for p in todo}
     with Grader(timeout=pipe.run.grade_timeout) as grader, Progress(len(todo), enabled=not quiet) as progress:
         started: dict[str, float] = {}
