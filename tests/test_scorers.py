@@ -315,3 +315,35 @@ def test_qwen_prm_remote_code_when_allowed_else_the_rebuild(tmp_path, broken, ca
         assert type(scorer.prm_model).__name__ == "RemotePRM"
     # without trust_remote_code the checkpoint's code never runs
     assert type(prm_scorer(tmp_path).prm_model) is Qwen2ForProcessRewardModel
+
+
+def test_scoring_session_log_probs_match_a_full_forward_across_rounds():
+    """`ScoringSession` (used by `likelihood`) prefills new problems together and ingests the
+    steps committed since its last call together; its log-probabilities must equal a plain
+    forward over prompt + committed steps + candidate, whatever the problems' lengths."""
+    from kvflow.backends.hf.scoring import ScoringSession
+    from kvflow.registry import get_registry
+
+    runner = tiny_runner()
+    none = get_registry().get("evictors", "none")
+    session = ScoringSession(runner, none(none.Params()))
+
+    def manual(t: Trajectory, text: str) -> list[float]:
+        context = runner.encode(t.prompt) + [i for s in t.steps for i in runner.encode(s.text)]  # step by step
+        ids = runner.encode(text)
+        with torch.no_grad():
+            logits = runner.model(torch.tensor([context + ids])).logits[0].float()
+        logp = torch.log_softmax(logits[len(context) - 1 : -1], dim=-1)
+        return logp.gather(-1, torch.tensor(ids)[:, None]).squeeze(-1).tolist()
+
+    a = Trajectory("a", QUESTION, "Question: " + QUESTION + "\nAnswer:")
+    b = Trajectory("b", "q", "A much shorter prompt:")
+    for rnd, (steps_a, steps_b) in enumerate([([], []), (STEPS[:1], []), (STEPS, STEPS[:1]), (STEPS, STEPS)]):
+        a.steps = [Step(s, "base", None, 1) for s in steps_a]
+        b.steps = [Step(s, "base", None, 1) for s in steps_b]
+        trajs, texts = [a, b, a], [CANDIDATES[0], CANDIDATES[1], CANDIDATES[2]]
+        got = session.token_logprobs(trajs, texts)
+        for t, text, lps in zip(trajs, texts, got):
+            assert lps == pytest.approx(manual(t, text), abs=1e-4), (rnd, t.problem_id)
+    session.release(["a"])
+    assert set(session._states) == {"b"}

@@ -206,3 +206,26 @@ def test_timing_phases_sum_to_the_problem_wall_time():
     assert [t.text for t in again] == [t.text for t in trajs]
     summary = timing_summary([{"timing": t} for t in timings.values()])
     assert abs(sum(summary["share"].values()) - 1) < 1e-3
+
+
+def test_a_forced_pick_is_not_scored():
+    """One candidate per problem: nothing to choose, so the scorer is not called (a PRM or a
+    likelihood forward would be wasted) and the committed step's score is None."""
+    calls = []
+
+    class CountingScorer(RandomScorer):
+        def score(self, requests):
+            calls.append(len(requests))
+            return super().score(requests)
+
+    def plan_with(n):
+        base = Proposer("base", tiny_runner("qwen2"), NoEviction(NoEviction.Params()),
+                        spec("base", n=n, temperature=1.0, max_step_tokens=6))
+        plan = make_plan([base], max_tokens=18)
+        plan.scorer = CountingScorer(RandomScorer.Params(), ScorerContext(load_session=None, proposers=["base"], seed=0))
+        return plan
+
+    trajs, _ = run(plan_with(1), prompts())
+    assert calls == [] and all(s.score is None for t in trajs for s in t.steps)
+    trajs, _ = run(plan_with(2), prompts())
+    assert calls and all(s.score is not None for t in trajs for s in t.steps)

@@ -150,7 +150,12 @@ def _by_model(proposers: Sequence[Proposer]) -> list[list[Proposer]]:
 
 
 def _score(scorer: Scorer, trajs: Sequence[Trajectory], candidates: Sequence[Sequence[Candidate]]) -> None:
-    requests = [ScoreRequest(t, c) for t, cs in zip(trajs, candidates) for c in cs if scorer.can_score(c.source)]
+    # A problem with one candidate has nothing to choose: its pick is forced, so it is not
+    # scored (its committed step's score stays None). Scorers sync to the trajectory lazily.
+    requests = [ScoreRequest(t, c) for t, cs in zip(trajs, candidates) if len(cs) > 1
+                for c in cs if scorer.can_score(c.source)]
+    if not requests:
+        return
     for req, s in zip(requests, scorer.score(requests)):
         req.candidate.score = float(s)
 

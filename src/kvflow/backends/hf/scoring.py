@@ -38,24 +38,39 @@ class ScoringSession:
         self.full_kv = full_kv
         self._states: dict[str, _ProblemState] = {}
 
-    def _sync(self, traj: Trajectory) -> _ProblemState:
-        st = self._states.get(traj.problem_id)
-        if st is None:
-            cache = self.runner.new_cache(self.full_kv, 1)
-            pending = int(self.runner.prefill(cache, [self.runner.encode(traj.prompt)])[0])
-            st = self._states[traj.problem_id] = _ProblemState(cache, pending, 0)
-        if st.n_steps < len(traj.steps):
-            ids = self.runner.encode("".join(s.text for s in traj.steps[st.n_steps:]))
-            if ids:
-                self.runner.ingest(st.cache, [[st.pending] + ids[:-1]])
-                st.pending = ids[-1]
-            st.n_steps = len(traj.steps)
-        return st
+    def _sync(self, trajectories: Sequence[Trajectory]) -> list[_ProblemState]:
+        """Each problem's state, brought up to date with its committed steps: new problems'
+        prompts are prefilled together, and the steps committed since the last call are
+        ingested together (one batched forward each, not one per problem)."""
+        new = list(dict.fromkeys(t.problem_id for t in trajectories if t.problem_id not in self._states))
+        if new:
+            prompts = {t.problem_id: t.prompt for t in trajectories}
+            cache = self.runner.new_cache(self.full_kv, len(new))
+            pending = self.runner.prefill(cache, [self.runner.encode(prompts[pid]) for pid in new]).tolist()
+            for i, pid in enumerate(new):
+                self._states[pid] = _ProblemState(cache.select([i]), int(pending[i]), 0)
+        behind: dict[str, tuple[_ProblemState, list[int], int]] = {}
+        for t in trajectories:
+            st = self._states[t.problem_id]
+            if st.n_steps < len(t.steps) and t.problem_id not in behind:
+                # step by step, as the proposers ingest committed steps (same tokens whether
+                # this problem was scored every round or skipped some)
+                ids = [i for s in t.steps[st.n_steps:] for i in self.runner.encode(s.text)]
+                behind[t.problem_id] = (st, ids, len(t.steps))
+        todo = [(st, ids, n) for st, ids, n in behind.values() if ids]
+        if todo:
+            cache = BudgetedCache.cat([st.cache for st, _, _ in todo])
+            self.runner.ingest(cache, [[st.pending] + ids[:-1] for st, ids, _ in todo])
+            for i, (st, ids, _) in enumerate(todo):
+                st.cache, st.pending = cache.select([i]), ids[-1]
+        for st, _, n in behind.values():
+            st.n_steps = n
+        return [self._states[t.problem_id] for t in trajectories]
 
     @torch.inference_mode()
     def token_logprobs(self, trajectories: Sequence[Trajectory], texts: Sequence[str]) -> list[list[float]]:
         """log p(token | trajectory, earlier tokens of the text) for every token of each text."""
-        states = [self._sync(t) for t in trajectories]
+        states = self._sync(trajectories)
         ids = [self.runner.encode(x) for x in texts]
         batch = BudgetedCache.cat([s.cache.select([0]) for s in states])
         hidden = self.runner.forward(batch, [[s.pending] + x[:-1] for s, x in zip(states, ids)], logits="hidden")
