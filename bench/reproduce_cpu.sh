@@ -36,19 +36,22 @@ if [ "$which" = calib ]; then
   run pipelines/cpu/kv_rescue.yaml "${GREEDY_BASE[@]}" "${GREEDY_HELPER[@]}"
   exec "$KVFLOW" calibrate "$OUT/calib"/cpu_kv_rescue__*
 fi
-# queue 1: full-KV base, evicted base at B=64 (random, rkv), KV-Rescue, the helper alone
-(
+# Two queues, in priority order (what the Table 2 form needs first). QUEUE=1 or QUEUE=2 runs one.
+queue1() {
   run pipelines/cpu/baselines/best_of_n.yaml "${GREEDY_BASE[@]}" --set 'proposers.base.evictor={kind: none}'
   evicted '{kind: random, budget: 64, buffer: 64, window: 16, protect_prompt: false}'
-  evicted '{kind: rkv, budget: 64, buffer: 64, window: 16, protect_prompt: false}'
-  run pipelines/cpu/kv_rescue.yaml "${GREEDY_BASE[@]}" "${GREEDY_HELPER[@]}"
   run pipelines/cpu/baselines/helper_only.yaml "${GREEDY_HELPER[@]}"
-) &
-# queue 2: evicted base at B=128, then the two ablations of KV-Rescue
-(
   evicted '{kind: random, budget: 128, buffer: 64, window: 16, protect_prompt: false}'
-  evicted '{kind: rkv, budget: 128, buffer: 64, window: 16, protect_prompt: false}'
-  run pipelines/cpu/ablations/interleave_only.yaml "${GREEDY_BASE[@]}" "${GREEDY_HELPER[@]}"
   run pipelines/cpu/ablations/early_exit_only.yaml "${GREEDY_BASE[@]}"
-) &
-wait
+}
+queue2() {
+  run pipelines/cpu/kv_rescue.yaml "${GREEDY_BASE[@]}" "${GREEDY_HELPER[@]}"
+  evicted '{kind: rkv, budget: 64, buffer: 64, window: 16, protect_prompt: false}'
+  run pipelines/cpu/ablations/interleave_only.yaml "${GREEDY_BASE[@]}" "${GREEDY_HELPER[@]}"
+  evicted '{kind: rkv, budget: 128, buffer: 64, window: 16, protect_prompt: false}'
+}
+case "${QUEUE:-both}" in
+  1) queue1 ;;
+  2) queue2 ;;
+  *) queue1 & queue2 & wait ;;
+esac
