@@ -261,3 +261,19 @@ def test_budget_and_bits_of_a_byte_budget_run_come_from_the_manifest(tmp_path):
     assert run.budget == 152 and run.evictor == "breadthkv (4-bit)"
     run = Run(tmp_path, config, {}, [], {}, True, ["base"])  # written before kv_memory existed
     assert run.evictor == "breadthkv" and run.budget == 64
+
+
+def test_plot_marks_unfinished_runs(tmp_path, monkeypatch):
+    from kvflow.report import plots
+
+    root = tmp_path / "r"
+    make_run(root, "full", [True] * 10, evictor="none", helper=False, pruners=False)
+    make_run(root, "partial", [False] * 3, helper=False, pruners=False, metrics=False,
+             dataset={"name": "gsm8k", "limit": 10, "offset": 0, "shuffle": False})
+    runs = load_runs([str(root / "*")])
+    partial = next(r for r in runs if r.name == "partial")
+    assert not partial.complete and plots._unfinished(partial) == "unfinished: 3 of 10 problems"
+    notes = []
+    monkeypatch.setattr("matplotlib.axes.Axes.annotate", lambda self, text, *a, **k: notes.append(text))
+    assert plots.accuracy_vs_budget(runs, tmp_path / "acc.png").read_bytes()[:4] == b"\x89PNG"
+    assert notes == ["unfinished: 3 of 10 problems"]  # the finished full-KV line is not annotated

@@ -22,8 +22,14 @@ def _colors(plt, n: int) -> list:
     return [cycle[i % len(cycle)] for i in range(n)]
 
 
+def _unfinished(r: Run) -> str:
+    limit = r.dataset.get("limit")
+    return f"unfinished: {r.metrics.get('n_problems', 0)}" + (f" of {limit}" if limit else "") + " problems"
+
+
 def accuracy_vs_budget(runs: Sequence[Run], path: Path) -> Optional[Path]:
-    """Accuracy vs budget, one line per (method, N); full-KV runs as dashed horizontal lines."""
+    """Accuracy vs budget, one line per (method, N); full-KV runs as dashed horizontal lines.
+    Points of unfinished runs are hollow and say on how many problems they rest."""
     evicted = [r for r in runs if not r.full_kv and r.budget is not None and r.metrics.get("accuracy") is not None]
     full = [r for r in runs if r.full_kv and r.metrics.get("accuracy") is not None]
     if not evicted and not full:
@@ -33,10 +39,17 @@ def accuracy_vs_budget(runs: Sequence[Run], path: Path) -> Optional[Path]:
     series = sorted({(r.method, r.n) for r in evicted})
     colors = _colors(plt, len(series) + len(full))
     for (method, n), c in zip(series, colors):
-        pts = sorted((r.budget, r.metrics["accuracy"]) for r in evicted if r.method == method and r.n == n)
-        ax.plot([b for b, _ in pts], [a * 100 for _, a in pts], "-o", color=c, label=f"{method}, N={n}")
+        sel = sorted((r for r in evicted if r.method == method and r.n == n), key=lambda r: r.budget)
+        ax.plot([r.budget for r in sel], [r.metrics["accuracy"] * 100 for r in sel], "-o", color=c,
+                label=f"{method}, N={n}")
+        for r in sel:
+            if not r.complete:  # a point on a few problems must not pass for a finished run
+                ax.plot([r.budget], [r.metrics["accuracy"] * 100], "o", color="white", markeredgecolor=c, zorder=3)
+                ax.annotate(_unfinished(r), (r.budget, r.metrics["accuracy"] * 100), fontsize=7, color=c,
+                            textcoords="offset points", xytext=(4, 4))
     for r, c in zip(full, colors[len(series):]):
-        ax.axhline(r.metrics["accuracy"] * 100, linestyle="--", color=c, label=f"{r.variant} (full KV), N={r.n}")
+        ax.axhline(r.metrics["accuracy"] * 100, linestyle="--", color=c,
+                   label=f"{r.variant} (full KV), N={r.n}" + ("" if r.complete else f", {_unfinished(r)}"))
     budgets = sorted({r.budget for r in evicted})
     if budgets:
         ax.set_xscale("log", base=2)
