@@ -123,11 +123,8 @@ class Run:
     def metrics_on(self, ids: Iterable[str]) -> dict:
         """The run's metrics recomputed over the problems in `ids` only (to compare runs that
         finished different problems on the problems they have in common)."""
-        from kvflow.runtime.results import compute_metrics
-
         keep = set(ids)
-        records = [r for r in self.records if r["id"] in keep]
-        return compute_metrics(records, self.proposers, _pruner_owners(self.config)) if records else {"n_problems": 0}
+        return _metrics([r for r in self.records if r["id"] in keep], self.proposers, self.config)
 
 
 def _default_param(kind: str, name: str, param: str) -> Any:
@@ -171,10 +168,15 @@ def load_run(path: Path) -> Run:
     proposers = list(config.get("proposers") or {})
     complete = metrics is not None
     if metrics is None or metrics.get("n_problems", 0) != len(records):
-        from kvflow.runtime.results import compute_metrics
-
-        metrics = compute_metrics(records, proposers, _pruner_owners(config)) if records else {"n_problems": 0}
+        metrics = _metrics(records, proposers, config)
     return Run(path, config, manifest, records, metrics, complete, proposers)
+
+
+def _metrics(records: list[dict], proposers: list[str], config: dict) -> dict:
+    """Metrics recomputed from sample records, as `kvflow run` writes them to metrics.json."""
+    from kvflow.runtime.results import compute_metrics
+
+    return compute_metrics(records, proposers, _pruner_owners(config)) if records else {"n_problems": 0}
 
 
 def expand_dirs(args: Iterable[str]) -> list[Path]:

@@ -187,11 +187,12 @@ def recovery(acc: Optional[float], acc_evicted: float, acc_full: Optional[float]
     return (acc - acc_evicted) / (acc_full - acc_evicted)
 
 
-def oracle(evicted: Run, helper: Run, full: Optional[Run]) -> Oracle:
+def oracle(evicted: Run, helper: Run, full: Optional[Run], within: Optional[set[str]] = None) -> Oracle:
+    """Answer-level oracle on the problems all three runs finished (and in `within`, if given)."""
     from kvflow.errors import UserError
 
     ev, hp = evicted.correct_by_id(), helper.correct_by_id()
-    ids = [i for i in ev if i in hp]
+    ids = [i for i in ev if i in hp and (within is None or i in within)]
     fl = full.correct_by_id() if full else None
     if fl is not None:
         ids = [i for i in ids if i in fl]
@@ -265,12 +266,8 @@ def rescue_table(runs: Sequence[Run]) -> Optional[Table]:
             pick(lambda r: r.variant == "best-of-N" and r.full_kv)
         interleave = pick(lambda r: r.variant == "interleave" and same(r))
         helper = pick(lambda r: r.variant == "helper only")
-        row_runs = [x for x in (rescue, evicted, full) if x is not None]
+        row_runs = [x for x in (rescue, evicted, full, interleave, helper) if x is not None]
         ids = set.intersection(*(set(x.correct_by_id()) for x in row_runs))
-        if interleave is not None:
-            ids &= set(interleave.correct_by_id())
-        if helper is not None:
-            ids &= set(helper.correct_by_id())
         setting = f"{rescue.evictor} B={_budget_text(rescue)} N={rescue.n}"
         if not ids:
             t.rows.append([setting, 0] + [None] * (len(cols) - 2))
@@ -283,20 +280,16 @@ def rescue_table(runs: Sequence[Run]) -> Optional[Table]:
 
         acc_r, acc_e, acc_f = get("rescue", "accuracy"), get("evicted", "accuracy"), get("full", "accuracy")
         lost = acc_f - acc_e if acc_f is not None and acc_e is not None else None
-        oracle_rec = None
-        if helper is not None and evicted is not None:
-            ev, hp = evicted.correct_by_id(), helper.correct_by_id()
-            oracle_rec = recovery(sum(ev[i] or hp[i] for i in ids) / len(ids), acc_e, acc_f)
+        oracle_rec = oracle(evicted, helper, full, within=ids).recovered if helper and evicted else None
         base_r, base_e, base_i = (get("rescue", "mean_base_tokens"), get("evicted", "mean_base_tokens"),
                                   get("interleave", "mean_base_tokens"))
-        helpers = [p for p in rescue.proposers[1:]]
         t.rows.append([
             setting, len(ids), acc_f, acc_e, acc_r, lost,
             recovery(acc_r, acc_e, acc_f) if acc_e is not None else None, oracle_rec,
             1 - base_r / base_e if base_r is not None and base_e else None,
             1 - base_r / base_i if base_r is not None and base_i else None,
             get("evicted", "degeneration_rate"), get("rescue", "degeneration_rate"),
-            sum((m["rescue"].get("step_share") or {}).get(p, 0.0) for p in helpers),
+            sum((m["rescue"].get("step_share") or {}).get(p, 0.0) for p in rescue.proposers[1:]),
             get("rescue", "early_exit_fraction"),
         ])
     return t
