@@ -10,14 +10,15 @@ import pytest
 import torch
 
 from conftest import REPO
-from kvflow.backends.hf import decode
+from kvflow.backends.hf.decode import HFEngine
 from kvflow.components.base import Trajectory
+from kvflow.components.engine import ProposeRequest, SamplingSpec, StartRequest, SyncRequest
 from kvflow.config.loader import deep_merge, load_config
 from kvflow.config.validate import load_pipeline
 from kvflow.runtime.compile import build_plan
-from kvflow.runtime.loop import run_batch
+from kvflow.runtime.scheduler import run as run_scheduler
 from kvflow.runtime.results import ResultsDir, compute_metrics
-from kvflow.testing import tiny_runner, tiny_tokenizer
+from kvflow.testing import propose_now, tiny_runner, tiny_tokenizer
 from kvflow_builtin.evictors.none import NoEviction
 from kvflow_builtin.evictors.random import RandomEvictor
 
@@ -99,28 +100,30 @@ def test_shipped_baselines_and_ablations_resolve_as_intended(rel, cpu):
 
 
 class TinyModels:
-    """A registry stand-in for `build_plan`: backend `load()` hands out tiny runners by model id,
-    every other lookup goes to the real registry."""
+    """A registry stand-in for `build_plan`: backend `load()` hands out engines over tiny models
+    by model id (counting their forwards), every other lookup goes to the real registry."""
 
     def __init__(self):
         from kvflow.registry import get_registry
 
         self.real = get_registry()
         self.runners = {"tiny-base": tiny_runner("qwen2", seed=1), "tiny-helper": tiny_runner("llama", seed=2)}
+        self.engines = {k: HFEngine(r) for k, r in self.runners.items()}
         self.loaded: list[str] = []
         self.forwards = {k: 0 for k in self.runners}
         for key, runner in self.runners.items():
-            def counted(*args, _f=runner.forward, _k=key, **kw):
-                self.forwards[_k] += 1
-                return _f(*args, **kw)
-            runner.forward = counted
+            for method in ("forward", "decode_step"):
+                def counted(*args, _f=getattr(runner, method), _k=key, **kw):
+                    self.forwards[_k] += 1
+                    return _f(*args, **kw)
+                setattr(runner, method, counted)
 
     def get(self, kind, name):
         return self if kind == "backends" else self.real.get(kind, name)
 
     def load(self, model_cfg):
         self.loaded.append(model_cfg.id)
-        return self.runners[model_cfg.id]
+        return self.engines[model_cfg.id]
 
 
 def tiny_sets(path, seed=0):
@@ -149,7 +152,7 @@ def run_tiny(rel, seed=0):
                                                               add_generation_prompt=True))
              for i, q in enumerate(QUESTIONS)]
     done = []
-    run_batch(plan, trajs, done.append)
+    run_scheduler(plan, trajs, done.append)
     assert len(done) == len(trajs)
     return trajs, models, plan
 
@@ -162,7 +165,7 @@ def test_kv_rescue_on_tiny_models_prunes_and_interleaves():
 
 def test_interleave_only_never_prunes():
     trajs, models, plan = run_tiny("ablations/interleave_only.yaml")
-    assert plan.proposers[0].spec.pruners == []
+    assert plan.proposers[0].spec.pruners == ()
     for t in trajs:
         assert sum(t.pruned.values()) == 0 and not any(s.fallback for s in t.steps)
     assert {s.source for t in trajs for s in t.steps} == {"base", "helper"}
@@ -204,27 +207,29 @@ def test_runs_are_deterministic_under_the_seed():
 
 def test_helper_step_is_ingested_with_eviction_and_the_base_continues_from_it():
     runner = tiny_runner("qwen2", seed=1)
+    engine = HFEngine(runner)
     tok = tiny_tokenizer()
     prompt = tok.apply_chat_template([{"role": "user", "content": QUESTIONS[1]}], tokenize=False,
                                      add_generation_prompt=True)
     helper_text = "Step 1: In May she sold 48 / 2 = 24 clips.\n\nStep 2: Altogether 48 + 24 = 72 clips.\n\n"
     p_ids, h_ids = runner.encode(prompt), runner.encode(helper_text)
-    spec = decode.DecodeSpec("base", 1, 0.0, 1.0, 12, "\n\n")
+    spec = SamplingSpec(1, 0.0, 1.0, 12, "\n\n")
     conts = {}
     for name, ev in [("evicted", RandomEvictor(RandomEvictor.Params(budget=16, buffer=8, window=4))),
                      ("full", NoEviction(NoEviction.Params()))]:
-        state = decode.start(runner, ev, [prompt], [7])
-        state = decode.sync(runner, state, [(None, helper_text)], [0])  # the helper's step was committed
+        (state,) = engine.start([StartRequest(prompt, ev, 7)])
+        (state,) = engine.sync([SyncRequest(state, None, None, helper_text)])  # the helper's step was committed
         rows = state.cache.rows
         assert int(rows.positions[0]) == len(p_ids) + len(h_ids) - 1  # the last token is pending
-        assert int(state.pending[0]) == h_ids[-1]
+        assert state.pending == h_ids[-1]
         if name == "evicted":
             assert int(rows.lengths[0]) <= 16 + 8 and int(rows.compactions[0]) > 0
         else:
             assert int(rows.lengths[0]) == len(p_ids) + len(h_ids) - 1
-        (c,) = decode.propose(runner, state, spec, [100], [0])
+        proposal = propose_now(engine, ProposeRequest(state, "base", spec, 0, 100))
+        (c,) = proposal.candidates
         conts[name] = c.token_ids
-        state = decode.sync(runner, state, [(0, c.text)], [0])  # adopt the base's own next step
+        (state,) = engine.sync([SyncRequest(state, proposal, 0, c.text)])  # adopt the base's own next step
         assert int(state.cache.rows.positions[0]) == len(p_ids) + len(h_ids) + len(c.token_ids) - 1
         if name == "evicted":
             assert int(state.cache.rows.lengths[0]) <= 16 + 8

@@ -119,7 +119,7 @@ FAKE = textwrap.dedent('''
     def fake_decode(loaded, registry, store, todo, quiet):
         rng = random.Random()
         for p in todo:
-            time.sleep(rng.uniform(0.02, 0.12))
+            time.sleep(rng.uniform(0.05, 0.25))  # 40 problems outlast the longest kill timeout
             with runner._sigint_deferred():
                 store.append({"id": p.id, "question": p.question, "gold": p.gold, "prediction": "0",
                               "correct": False, "output": "x" * rng.randint(10, 200_000), "steps": [],
@@ -224,8 +224,9 @@ SMALL = [
 
 
 def _start(out: Path, limit: int) -> subprocess.Popen:
+    # one problem at a time, so that a signal after the k-th record lands while the next decodes
     cmd = [sys.executable, "-m", "kvflow.cli", "run", str(QUICK), *SMALL, "--set", f"dataset.limit={limit}",
-           "--set", f"run.output={out}"]
+           "--set", f"run.output={out}", "--set", "run.batch_problems=1", "--set", "run.live_problems=1"]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
                             start_new_session=True)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvflow.backends.hf import decode
+from kvflow.backends.hf import sampling as decode
 
 
 def reference(logits, temperature, top_p, uniforms):

@@ -89,7 +89,11 @@ class BaselinesConfig(Frozen):
 
 class RunConfig(Frozen):
     seed: int = 0
-    batch_problems: int = Field(16, ge=1, description="Problems decoded together.")
+    batch_problems: int = Field(16, ge=1, description="Decode room per model, in problems: a model's forward "
+                                "decodes at most batch_problems x (candidates per problem on it) rows.")
+    live_problems: Optional[int] = Field(
+        None, ge=1, description="Problems in flight at once (each holds its cache states); unset: 2 x "
+        "batch_problems, so that decode rows stay busy while some problems score, sync or wait for another model.")
     output: str = Field("results", description="Parent directory of results directories.")
     delimiter: str = Field("\n\n", min_length=1, description="Step delimiter.")
     grade_timeout: float = Field(10.0, gt=0, description="Seconds before a grading call counts as wrong.")

@@ -43,42 +43,43 @@ def check_models(loaded: LoadedPipeline) -> None:
 
 
 def build_plan(loaded: LoadedPipeline, registry, on_load: Callable[[str], None] = lambda key: None):
-    """Load models and instantiate components. Returns (plan, runners by model key)."""
-    from kvflow.backends.hf.decode import DecodeSpec
-    from kvflow.backends.hf.scoring import ScoringSession
+    """Load every distinct model once, as an engine of its backend, and instantiate the
+    components. Returns (plan, engines by model key)."""
     from kvflow.components.base import ScorerContext
-    from kvflow.runtime.loop import Plan, Proposer
+    from kvflow.components.engine import SamplingSpec
+    from kvflow.runtime.scheduler import Plan, Proposer
 
     pipe = loaded.pipeline
-    runners: dict[str, object] = {}
+    engines: dict[str, object] = {}
 
-    def runner_for(key: str):
-        if key not in runners:
+    def engine_for(key: str):
+        if key not in engines:
             on_load(key)
             backend = registry.get("backends", pipe.models[key].backend)
-            runners[key] = backend.load(pipe.models[key])
-        return runners[key]
+            engines[key] = backend.load(pipe.models[key])
+        return engines[key]
 
-    full_kv_cls = registry.get("evictors", "none")
     proposers = []
     for name, cfg in pipe.proposers.items():
         comps = loaded.components.proposers[name]
-        spec = DecodeSpec(
-            name=name, n=cfg.n, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
+        spec = SamplingSpec(
+            n=cfg.n, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
             max_step_tokens=cfg.sampling.max_step_tokens, delimiter=pipe.run.delimiter,
-            pruners=[(p.name, p.cls(p.params)) for p in comps.pruners],
+            pruners=tuple((p.name, p.cls(p.params)) for p in comps.pruners),
             record_signals=pipe.run.record_signals,
         )
-        runner = runner_for(cfg.model)
-        evictor_params = resolve_budget_bytes(loaded, name, comps.evictor.params, runner.kv_shape())
-        proposers.append(Proposer(name, runner, comps.evictor.cls(evictor_params), spec))
+        engine = engine_for(cfg.model)
+        evictor_params = resolve_budget_bytes(loaded, name, comps.evictor.params, engine.kv_shape())
+        proposers.append(Proposer(name, engine, comps.evictor.cls(evictor_params), spec))
     context = ScorerContext(
-        load_session=lambda key: ScoringSession(runner_for(key), full_kv_cls(full_kv_cls.Params())),
+        load_session=lambda key: engine_for(key).scoring_session(),
         proposers=list(pipe.proposers), seed=pipe.run.seed, delimiter=pipe.run.delimiter, models=dict(pipe.models),
     )
     scorer = loaded.components.scorer.cls(loaded.components.scorer.params, context)
     committer = loaded.components.committer.cls(loaded.components.committer.params, list(pipe.proposers))
-    return Plan(proposers, scorer, committer, pipe.limits, pipe.run.seed), runners
+    plan = Plan(proposers, scorer, committer, pipe.limits, pipe.run.seed, batch_problems=pipe.run.batch_problems,
+                live_problems=pipe.run.live_problems)
+    return plan, engines
 
 
 def resolve_budget_bytes(loaded: LoadedPipeline, proposer: str, params, kv_shape: tuple[int, int, int, int]):
@@ -108,7 +109,7 @@ def kv_memory(plan) -> dict:
 
     out = {}
     for p in plan.proposers:
-        layers, heads, dim, elem = p.runner.kv_shape()
+        layers, heads, dim, elem = p.engine.kv_shape()
         entry = {"bytes_per_token": layers * heads * full_token_bytes(dim, elem), "budget": None, "n_quantized": 0,
                  "bits": None, "kept_bytes": None, "peak_bytes": None}
         if p.evictor.bounded:

@@ -18,6 +18,11 @@ class Progress:
                                      console=Console(stderr=True), transient=False)
             self._task = self._bar.add_task(title, total=total, status="")
 
+    @property
+    def live(self) -> bool:
+        """True when the bar is shown (stderr is a terminal)."""
+        return self._bar is not None
+
     def __enter__(self) -> "Progress":
         if self._bar is not None:
             self._bar.start()

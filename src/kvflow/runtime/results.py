@@ -45,10 +45,9 @@ class ResultsDir:
         _atomic_write(self.path / MANIFEST, json.dumps(manifest, indent=2))
 
     def update_manifest(self, **fields: Any) -> None:
-        path = self.path / MANIFEST
-        manifest = json.loads(path.read_text()) if path.exists() else {}
+        manifest = self.manifest()
         manifest.update(fields)
-        _atomic_write(path, json.dumps(manifest, indent=2))
+        _atomic_write(self.path / MANIFEST, json.dumps(manifest, indent=2))
 
     def load(self) -> list[dict]:
         """Records written so far; a torn last line (killed mid-write) is cut off the file."""
@@ -63,6 +62,10 @@ class ResultsDir:
 
     def write_metrics(self, metrics: dict) -> None:
         _atomic_write(self.path / METRICS, json.dumps(metrics, indent=2))
+
+    def manifest(self) -> dict:
+        path = self.path / MANIFEST
+        return json.loads(path.read_text()) if path.exists() else {}
 
     def metrics(self) -> Optional[dict]:
         path = self.path / METRICS
@@ -119,7 +122,7 @@ def _atomic_write(path: Path, text: str) -> None:
 
 
 def compute_metrics(records: Iterable[dict], proposers: list[str], pruner_owners: dict[str, list[str]],
-                    baselines: Any = None) -> dict:
+                    baselines: Any = None, occupancy: Optional[dict] = None) -> dict:
     """Aggregate metrics (DESIGN.md §8). `pruner_owners[pruner]` = proposers it watches.
 
     The paper's table columns: `accuracy`, `degeneration_rate`, `mean_base_tokens` (tokens the
@@ -175,13 +178,15 @@ def compute_metrics(records: Iterable[dict], proposers: list[str], pruner_owners
     timing = timing_summary(records)
     if timing:
         out["timing"] = timing
+        if occupancy:
+            timing["occupancy"] = occupancy
     if baselines is not None:
         out.update(recovery_metrics(accuracy, baselines))
     return out
 
 
 def timing_summary(records: Iterable[dict]) -> dict:
-    """Mean per-problem `timing` of the records that have one (kvflow.runtime.loop): `mean_wall`,
+    """Mean per-problem `timing` of the records that have one (kvflow.runtime.scheduler): `mean_wall`,
     `phases` (mean exclusive seconds by phase path), `categories` (mean seconds by
     kvflow.timing.categories: model forwards by proposers, scorer, records, kvflow itself) and
     `share` (categories / mean_wall). {} when no record has timing."""

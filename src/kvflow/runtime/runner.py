@@ -1,8 +1,10 @@
 """`kvflow run`: a validated pipeline over its dataset, into a results directory.
 
 Order of work: check that every model is obtainable (nothing loaded yet), open or resume
-the results directory, load models once, decode problems in batches with the step loop,
-grade and append each finished problem at once, then write metrics and print a summary.
+the results directory, load models once (an engine each), stream the problems through the
+step scheduler (kvflow.runtime.scheduler), grade and append each problem the moment it
+finishes (in any order), then write metrics and print a summary. Progress: a live bar when
+stderr is a terminal, else one line per finished problem.
 """
 
 from __future__ import annotations
@@ -73,7 +75,8 @@ def run_pipeline(loaded: LoadedPipeline, *, force: bool = False, registry=None, 
     if todo:
         _decode(loaded, registry, store, todo, quiet)
     records = store.load()
-    metrics = compute_metrics(records, proposers, owners, baselines=pipe.run.baselines)
+    metrics = compute_metrics(records, proposers, owners, baselines=pipe.run.baselines,
+                              occupancy=store.manifest().get("occupancy"))
     store.write_metrics(metrics)
     store.update_manifest(finished=_now())
     if not quiet:
@@ -101,21 +104,27 @@ def _decode_with(loaded: LoadedPipeline, registry, store: ResultsDir, todo, quie
     from kvflow.eval.answer import extract_answer
     from kvflow.eval.grading import Grader
     from kvflow.eval.prompts import render_prompt
-    from kvflow.runtime.loop import run_batch
     from kvflow.runtime.progress import Progress
+    from kvflow.runtime.scheduler import Occupancy, run
 
     pipe = loaded.pipeline
     torch.manual_seed(pipe.run.seed)
-    plan, runners = compile_.build_plan(loaded, registry, on_load=lambda key: _say(
+    plan, _ = compile_.build_plan(loaded, registry, on_load=lambda key: _say(
         quiet, f"loading models.{key}: {pipe.models[key].id}"))
-    base_runner = plan.proposers[0].runner
-    store.update_manifest(device=str(base_runner.device), threads=torch.get_num_threads(),
-                          kv_memory=compile_.kv_memory(plan))
+    base = plan.proposers[0].engine
+    store.update_manifest(device=base.device, threads=torch.get_num_threads(), kv_memory=compile_.kv_memory(plan),
+                          engines={k: e.backend for k, e in _.items()})
     by_id = {p.id: p for p in todo}
+    occupancy = Occupancy()
     with Grader(timeout=pipe.run.grade_timeout) as grader, Progress(len(todo), enabled=not quiet) as progress:
         started: dict[str, float] = {}
-        timings: dict[str, dict] = {}  # filled by the step loop just before on_done
+        timings: dict[str, dict] = {}  # filled by the scheduler just before on_done
         tally = {"done": 0, "correct": 0}
+
+        def trajectories():
+            for p in todo:  # rendered lazily: a problem is admitted when there is room for it
+                started[p.id] = time.time()
+                yield Trajectory(p.id, p.question, render_prompt(pipe.dataset.prompt, p.question, base.tokenizer))
 
         def on_done(traj: Trajectory) -> None:
             problem = by_id[traj.problem_id]
@@ -127,17 +136,31 @@ def _decode_with(loaded: LoadedPipeline, registry, store: ResultsDir, todo, quie
                 store.append(record)
             tally["done"] += 1
             tally["correct"] += correct
-            progress.update(tally["done"], f"acc {tally['correct']}/{tally['done']}")
+            status = f"acc {tally['correct']}/{tally['done']}"
+            progress.update(tally["done"], status)
+            if not quiet and not progress.live:
+                _say(False, f"[{tally['done']}/{len(todo)}] {problem.id}: {'correct' if correct else 'wrong'}, "
+                            f"{len(traj.steps)} steps, {traj.committed_tokens} tokens, {record['seconds']:.1f} s; "
+                            f"{status} ({tally['correct'] / tally['done']:.0%})")
 
-        size = pipe.run.batch_problems
-        for start in range(0, len(todo), size):
-            batch = todo[start : start + size]
-            trajs = []
-            for p in batch:
-                prompt = render_prompt(pipe.dataset.prompt, p.question, base_runner.tokenizer)
-                trajs.append(Trajectory(p.id, p.question, prompt))
-                started[p.id] = time.time()
-            run_batch(plan, trajs, on_done, timings=timings)
+        try:
+            run(plan, trajectories(), on_done, timings=timings, occupancy=occupancy)
+        finally:
+            store.update_manifest(occupancy=_merge_occupancy(store.manifest().get("occupancy"), occupancy.summary()))
+
+
+def _merge_occupancy(previous: Optional[dict], current: dict) -> dict:
+    """Occupancy over every session of a run (a resumed run adds its forwards and rows)."""
+    out = {k: dict(v) for k, v in (previous or {}).items()}
+    for name, cur in current.items():
+        old = out.get(name)
+        if old and old.get("bound") == cur["bound"]:
+            forwards = old["forwards"] + cur["forwards"]
+            rows = old["mean_rows"] * old["forwards"] + cur["mean_rows"] * cur["forwards"]
+            cur = {"forwards": forwards, "mean_rows": round(rows / forwards, 3) if forwards else 0.0,
+                   "bound": cur["bound"], "occupancy": round(rows / forwards / cur["bound"], 4) if forwards else 0.0}
+        out[name] = cur
+    return out
 
 
 @contextmanager

@@ -27,8 +27,9 @@ ARCHITECTURES = {
 
 
 @functools.lru_cache(maxsize=None)
-def tiny_tokenizer():
-    """A byte-level BPE tokenizer (~400 tokens) with `<|im_end|>` as EOS and a chat template."""
+def tiny_tokenizer(vocab_size: int = 400):
+    """A byte-level BPE tokenizer (~`vocab_size` tokens) with `<|im_end|>` as EOS and a chat
+    template. Different sizes tokenize the same text differently (same special token ids)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -36,7 +37,7 @@ def tiny_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
     tok.train_from_iterator(CORPUS, trainer)
@@ -72,3 +73,20 @@ def tiny_runner(arch: str = "qwen2", **kwargs):
     from kvflow.backends.hf.engine import HFRunner
 
     return HFRunner(tiny_model(arch, **kwargs), tiny_tokenizer())
+
+
+def tiny_engine(arch: str = "qwen2", **kwargs):
+    """An `hf` engine (`HFEngine`) over `tiny_runner(arch)`."""
+    from kvflow.backends.hf.decode import HFEngine
+
+    return HFEngine(tiny_runner(arch, **kwargs))
+
+
+def propose_now(engine, request, *, max_steps: int = 100_000):
+    """Submit one ProposeRequest and step `engine` until it is finished: its Proposal."""
+    engine.submit([request])
+    for _ in range(max_steps):
+        for proposal in engine.step():
+            if proposal.request is request:
+                return proposal
+    raise RuntimeError("propose_now: the proposal did not finish")

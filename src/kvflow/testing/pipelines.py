@@ -45,15 +45,17 @@ DEFAULT_PIPELINE: dict[str, Any] = {
 }
 
 
-def tiny_model_dir(directory: Union[str, Path], arch: str = "qwen2", seed: int = 0) -> Path:
-    """`kvflow.testing.tiny_model(arch, seed=seed)` and the tiny tokenizer saved under
-    `directory` (once: an existing copy is reused). Returns the model directory."""
+def tiny_model_dir(directory: Union[str, Path], arch: str = "qwen2", seed: int = 0, vocab_size: int = 400) -> Path:
+    """`kvflow.testing.tiny_model(arch, seed=seed)` and the tiny tokenizer (of `vocab_size`:
+    another size tokenizes differently) saved under `directory` (once: an existing copy is
+    reused). Returns the model directory."""
     from kvflow.testing.models import tiny_model, tiny_tokenizer
 
-    path = Path(directory) / f"tiny-{arch}-{seed}"
+    path = Path(directory) / (f"tiny-{arch}-{seed}" + ("" if vocab_size == 400 else f"-v{vocab_size}"))
     if not (path / "config.json").is_file():
-        tiny_model(arch, seed=seed).save_pretrained(path)
-        tiny_tokenizer().save_pretrained(path)
+        tokenizer = tiny_tokenizer(vocab_size)
+        tiny_model(arch, seed=seed, vocab_size=len(tokenizer)).save_pretrained(path)
+        tokenizer.save_pretrained(path)
     return path
 
 

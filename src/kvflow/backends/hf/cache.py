@@ -416,72 +416,74 @@ def new_rows(n: int, rng_keys: Sequence[int] | None = None) -> RowState:
     return RowState(zeros.clone(), zeros.clone(), zeros.clone(), zeros.clone(), keys, zeros.clone(), zeros.clone())
 
 
-class JointCache(Cache):
-    """The rows of several `BudgetedCache`s in one forward, for proposers that share a model
-    (an evicted base and a full-context helper on the same checkpoint): a decode step reads
-    the weights once for both. Each part keeps its own storage, evictor and bookkeeping; a
-    layer's update returns the parts' keys and values padded to one span and stacked by row."""
+class DecodeBatch(Cache):
+    """One decode forward over the live rows of several caches of one model ("parts": the
+    candidate rows of every proposal being decoded, whatever proposer they belong to).
 
-    def __init__(self, parts: Sequence[BudgetedCache]) -> None:
-        self.parts = list(parts)
-        self.splits = [p.n_rows for p in self.parts]
-        self.query_window = max(p.query_window for p in self.parts)
-        self.observes = any(p.observes for p in self.parts)
-        super().__init__(layers=[_JointLayer(self, i) for i in range(len(self.parts[0].layers))])
+    The model runs on the live rows only ([L, 1] tokens, L = live rows of all parts); each
+    part keeps its own storage, evictor and bookkeeping, and attention runs part by part over
+    that part's own span (`attend()`, called by kvflow's attention function), so nothing is
+    padded to another part's length or copied into a joint tensor. A part's rows that have
+    ended stay where they are (their state is kept for adoption): their pending write goes to
+    the part's scratch slot and their attention output is dropped.
+    """
 
-    def begin_forward(self) -> torch.Tensor:
-        """Plan one decode token per row in every part; returns the joint mask [rows, 1, 1, span]."""
-        ones = [torch.ones(p.n_rows, dtype=torch.long) for p in self.parts]
-        plans = [p.begin_forward(one, 1) for p, one in zip(self.parts, ones)]
-        self.span = max(plan.span for plan in plans)
-        key = torch.arange(self.span)
-        # a decode token attends to every resident slot of its row and to itself
-        masks = [(key[None, :] <= p.rows.lengths[:, None])[:, None, None, :] for p in self.parts]
-        return torch.cat(masks).to(self.parts[0].device)
+    def __init__(self, parts: Sequence[tuple[BudgetedCache, torch.Tensor]]) -> None:
+        # parts: (cache, live rows of that cache [k] int64, ascending)
+        self.parts = []
+        for cache, live in parts:
+            full = len(live) == cache.n_rows
+            step_lens = torch.zeros(cache.n_rows, dtype=torch.long)
+            step_lens[live] = 1
+            cache.begin_forward(step_lens, 1)
+            self.parts.append((cache, live.to(cache.device), full, step_lens))
+        self.counts = [len(live) for _, live in parts]
+        super().__init__(layers=[_DecodeLayer() for _ in range(len(parts[0][0].layers))])
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return key_states, value_states  # written part by part in attend()
+
+    def attend(self, attention, module, query, key, value, **kwargs):
+        """Write each part's new keys and values and attend over the part's own slots.
+
+        query: [L, q_heads, 1, D]; key, value: [L, kv_heads, 1, D] (post-RoPE, live rows in
+        part order); attention: the sdpa forward; returns ([L, 1, q_heads, D], None)."""
+        layer_idx = module.layer_idx
+        scaling = kwargs.get("scaling") or getattr(module, "scaling", None) or query.shape[-1] ** -0.5
+        outs = []
+        for (cache, live, full, _), q, k, v in zip(self.parts, query.split(self.counts), key.split(self.counts),
+                                                   value.split(self.counts)):
+            if not full:  # ended rows get zeros: a scratch-slot write and an output that is dropped
+                q, k, v = (x.new_zeros(cache.n_rows, *x.shape[1:]).index_copy_(0, live, x) for x in (q, k, v))
+            layer = cache.layers[layer_idx]
+            keys, values = layer.update(k, v)
+            if cache.query_window:
+                layer.record_queries(q)
+            if cache.observes:
+                layer.observe(q, keys, scaling, layer_idx)
+            out, _ = attention(module, q, keys, values, cache._write_plan.mask, **kwargs)  # [rows, 1, heads, D]
+            outs.append(out if full else out.index_select(0, live))
+        return torch.cat(outs), None
 
     def end_forward(self) -> None:
-        for p in self.parts:
-            p.end_forward(torch.ones(p.n_rows, dtype=torch.long))
+        for cache, _, _, step_lens in self.parts:
+            cache.end_forward(step_lens)
 
 
-class _JointLayer(CacheLayerMixin):
-    def __init__(self, joint: JointCache, idx: int) -> None:
-        super().__init__()
-        self.joint, self.idx = joint, idx
+class _DecodeLayer(CacheLayerMixin):
+    """Placeholder layer: storage lives in the parts of the DecodeBatch."""
 
-    def lazy_initialization(self, key_states, value_states) -> None:  # storage lives in the parts
+    def lazy_initialization(self, key_states, value_states) -> None:
         pass
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        span = self.joint.span
-        keys = values = None
-        row = 0
-        for part, k, v in zip(self.joint.parts, key_states.split(self.joint.splits), value_states.split(self.joint.splits)):
-            pk, pv = part.layers[self.idx].update(k, v)  # [rows_i, kv_heads, span_i, head_dim]
-            if keys is None:  # one copy into a zeroed joint tensor (pad + cat would copy twice)
-                keys = pk.new_zeros(key_states.shape[0], pk.shape[1], span, pk.shape[3])
-                values = pv.new_zeros(value_states.shape[0], pv.shape[1], span, pv.shape[3])
-            n = pk.shape[0]
-            keys[row:row + n, :, : pk.shape[2]] = pk
-            values[row:row + n, :, : pv.shape[2]] = pv
-            row += n
-        return keys, values
-
-    def record_queries(self, query: torch.Tensor) -> None:
-        for part, q in zip(self.joint.parts, query.split(self.joint.splits)):
-            if part.query_window:
-                part.layers[self.idx].record_queries(q)
-
-    def observe(self, query: torch.Tensor, keys: torch.Tensor, scaling: float, layer_idx: int) -> None:
-        for part, q, k in zip(self.joint.parts, query.split(self.joint.splits), keys.split(self.joint.splits)):
-            if part.observes:
-                part.layers[self.idx].observe(q, k[:, :, : part._write_plan.span], scaling, layer_idx)
+    def update(self, key_states, value_states, *args, **kwargs):
+        return key_states, value_states
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.joint.span, 0
+        return 1, 0
 
     def get_seq_length(self) -> int:
-        return max(p.layers[self.idx].get_seq_length() for p in self.joint.parts)
+        return 0
 
     def get_max_length(self) -> int:
         return -1

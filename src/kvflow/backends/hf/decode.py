@@ -1,295 +1,333 @@
-"""Step-level decoding on the `hf` backend: sampling, proposing candidate steps, and keeping
-a proposer's per-problem state in sync with the committed trajectory (DESIGN.md §6).
+"""The `hf` engine: step-level continuous decoding of candidate steps (DESIGN.md §6-7).
 
-A proposer's state for a batch of problems is one `BudgetedCache` with a row per problem
-plus each row's pending token (the newest token, not yet in the cache). `propose()` forks
-every row `n` ways and decodes all candidate rows together; a row leaves the batch the
-moment it ends (delimiter, EOS, step cap) or a pruner stops it, and its state is kept aside
-so that `sync()` can adopt it if it is committed.
+`HFEngine` implements `kvflow.components.engine.Engine` over one `HFRunner`. A problem's
+state is a one-row `BudgetedCache` plus its pending token (the newest token, not yet cached).
+A submitted proposal waits in a queue until it fits in the decode batch; it then forks its
+state `n` ways (one copy of a row each: O(budget + buffer) for an evicted state) and is
+decoded every step, together with every other running proposal of any proposer on this
+model, in one forward over their live rows (`HFRunner.decode_step`: each proposal attends
+over its own slots). A row that ends stops being fed and keeps its cache in place for
+adoption; nothing else moves. Per-token work (sampling, stop rules, bookkeeping) is batched
+tensor ops over the engine's row table, with one host sync per step (which rows ended).
 """
 
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
 from kvflow.backends.hf.cache import BudgetedCache
 from kvflow.backends.hf.engine import HFRunner
-from kvflow.components.base import Candidate, Evictor, Pruner, StepTrace
+from kvflow.backends.hf.sampling import DelimiterTable, sample, uniforms
+from kvflow.components.base import Candidate, Evictor, EvictorParams, StepTrace
+from kvflow.components.engine import Proposal, ProposeRequest, StartRequest, SyncRequest, row_seed
 from kvflow.timing import NULL_CLOCK
 
-
-def row_seed(*parts: object) -> int:
-    """A stable 63-bit seed from any tuple of values (run seed, problem id, proposer, ...)."""
-    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
-# --------------------------------------------------------------------------- sampling
-
-
-def sample(logits: torch.Tensor, temperature: float, top_p: float, uniforms: torch.Tensor):
-    """Draw one token per row by inverse CDF with the given uniforms.
-
-    logits: [rows, vocab] float32; uniforms: [rows] in [0, 1)
-    returns tokens [rows] int64, logprobs [rows] (model's own, temperature 1), and
-    entropies [rows] of the sampling distribution (after temperature, before top-p), in nats.
-
-    The inverse CDF runs over the tokens in descending probability, ties in token-id order
-    (a stable sort), restricted to the nucleus when top_p < 1. The nucleus is found among the
-    `_NUCLEUS_K` most probable tokens (ties at the boundary included) without sorting the
-    whole vocabulary, which is what made sampling cost ~10% of a CPU decode step; a row whose
-    nucleus does not close among them is sorted in full. Either way the result is the same.
-    """
-    logp = torch.log_softmax(logits, dim=-1)  # [rows, vocab]
-    if temperature <= 0:
-        tokens = logits.argmax(-1)
-        entropy = -(logp.exp() * logp).nan_to_num().sum(-1)
-    else:
-        slogp = torch.log_softmax(logits / temperature, dim=-1)
-        probs = slogp.exp()
-        entropy = -(probs * slogp).nan_to_num().sum(-1)
-        tokens = _nucleus_sample(probs, top_p, uniforms.to(probs.device))
-    chosen = logp.gather(-1, tokens[:, None]).squeeze(-1)
-    return tokens, chosen, entropy
-
-
-_NUCLEUS_K = 1024  # most probable tokens searched for the nucleus before a full sort
-
-
-def _nucleus_sample(probs: torch.Tensor, top_p: float, uniforms: torch.Tensor) -> torch.Tensor:
-    rows, vocab = probs.shape
-    if top_p >= 1.0 or vocab <= _NUCLEUS_K:
-        sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
-        return _inverse_cdf(sorted_p, order, top_p, uniforms)
-    # every token at least as probable as the K-th, in token-id order, then stably sorted: the
-    # head of the full stable sort (tokens below the K-th come after all of them)
-    kth = probs.topk(_NUCLEUS_K, dim=-1, sorted=False).values.amin(-1, keepdim=True)  # [rows, 1]
-    head = probs >= kth
-    r, c = head.nonzero(as_tuple=True)  # row-major: token ids ascending within a row
-    counts = head.sum(-1)
-    slot = torch.arange(len(r), device=probs.device) - (counts.cumsum(0) - counts)[r]
-    width = int(counts.max())
-    order = torch.zeros(rows, width, dtype=torch.long, device=probs.device)
-    values = torch.full((rows, width), -1.0, dtype=probs.dtype, device=probs.device)  # padding sorts last
-    order[r, slot] = c
-    values[r, slot] = probs[r, c]
-    values, perm = values.sort(dim=-1, descending=True, stable=True)
-    order = order.gather(-1, perm)
-    values = values.clamp(min=0.0)
-    tokens = _inverse_cdf(values, order, top_p, uniforms)
-    # exact when the head's mass reaches top_p: every later token then lies outside the nucleus
-    # (the same prefix sums as a full sort; cumsum runs in order)
-    open_rows = (values.cumsum(-1)[:, -1] < top_p).nonzero().flatten()
-    if len(open_rows):
-        sorted_p, full = probs[open_rows].sort(dim=-1, descending=True, stable=True)
-        tokens[open_rows] = _inverse_cdf(sorted_p, full, top_p, uniforms[open_rows])
-    return tokens
-
-
-def _inverse_cdf(sorted_p: torch.Tensor, order: torch.Tensor, top_p: float, uniforms: torch.Tensor) -> torch.Tensor:
-    cum = sorted_p.cumsum(-1)
-    if top_p < 1.0:
-        sorted_p = sorted_p.masked_fill(cum - sorted_p >= top_p, 0.0)  # keep the smallest nucleus
-        cum = sorted_p.cumsum(-1)
-    target = uniforms[:, None] * cum[:, -1:]
-    pick = torch.searchsorted(cum, target).clamp(max=cum.shape[-1] - 1)  # [rows, 1]
-    return order.gather(-1, pick).squeeze(-1)
-
-
-# --------------------------------------------------------------------------- state
+# finish codes in the row table; pruner k of a proposal's spec is _PRUNED + k
+_LIVE, _EOS, _DELIMITER, _CAP, _PRUNED = 0, 1, 2, 3, 4
+_FINISH = {_EOS: "eos", _DELIMITER: "delimiter", _CAP: "max_step_tokens"}
 
 
 @dataclass
-class ProposerState:
-    """One proposer's model state for the problems of a batch (one row each)."""
-
-    cache: BudgetedCache
-    pending: torch.Tensor  # [rows] int64
-    # candidate states kept for adoption: (problem row, candidate index) -> (1-row cache, pending)
-    kept: dict[tuple[int, int], tuple[BudgetedCache, int]] = field(default_factory=dict)
+class HFState:
+    cache: BudgetedCache  # one row
+    pending: int  # the newest token, appended by the next forward
 
 
-@dataclass
-class DecodeSpec:
-    name: str  # proposer name
-    n: int
-    temperature: float
-    top_p: float
-    max_step_tokens: int
-    delimiter: str
-    pruners: Sequence[tuple[str, Pruner]] = ()
-    record_signals: bool = False
+class _FullContext(Evictor):
+    """The unbounded cache of a scoring session (no eviction; the cache grows)."""
+
+    bounded = False
+
+    @property
+    def trigger(self) -> int:
+        return 2**62
 
 
-def start(runner: HFRunner, evictor: Evictor, prompts: Sequence[str], rng_keys: Sequence[int], *,
-          name: str = "", clock=NULL_CLOCK) -> ProposerState:
-    cache = runner.new_cache(evictor, len(prompts), rng_keys)
-    ids = [runner.encode(p) for p in prompts]
-    with clock.phase(f"forward:{name}"):
-        pending = runner.prefill(cache, ids)
-    return ProposerState(cache, pending)
+class _Running:
+    """A proposal being decoded: its forked cache and its rows in the engine's row table."""
+
+    def __init__(self, request: ProposeRequest, cache: BudgetedCache, rows: torch.Tensor) -> None:
+        self.request, self.cache, self.rows = request, cache, rows  # rows: [n] int64 row-table ids
+        self.live = torch.arange(len(rows))  # local rows still decoding
+        self.texts = [""] * len(rows) if _needs_text(request.spec) else None
+        self.signals: list[dict[str, list[float]]] = [{} for _ in rows]
 
 
-class _Round:
-    """One proposer's candidates during one round: forked cache, live rows, what each row has
-    generated. `step(logits)` consumes one decode step's logits for the live rows."""
+def _needs_text(spec) -> bool:
+    return any(getattr(p, "needs_text", True) for _, p in spec.pruners)
 
-    def __init__(self, runner: HFRunner, state: ProposerState, spec: DecodeSpec, token_room: Sequence[int],
-                 sample_seeds: Sequence[int], clock=NULL_CLOCK) -> None:
-        n = spec.n
+
+class _RowTable:
+    """Per candidate row, what it has generated so far: [rows, width] token ids, logprobs and
+    entropies, and [rows] counters. Row ids are reused once their proposal has ended."""
+
+    FIELDS = ("tokens", "logprobs", "entropies", "count", "cap", "state", "seed", "finish", "pending")
+
+    def __init__(self) -> None:
+        self.size, self.width = 0, 0
+        self.free: list[int] = []
+        self.tokens = torch.zeros(0, 0, dtype=torch.long)
+        self.logprobs = torch.zeros(0, 0)
+        self.entropies = torch.zeros(0, 0)
+        for name in ("count", "cap", "state", "seed", "finish", "pending"):
+            setattr(self, name, torch.zeros(0, dtype=torch.long))
+
+    def alloc(self, n: int, width: int) -> torch.Tensor:
+        if width > self.width or len(self.free) < n:
+            self._grow(max(self.size * 2, self.size + n - len(self.free), 16), max(width, self.width))
+        ids, self.free = self.free[:n], self.free[n:]
+        return torch.as_tensor(ids, dtype=torch.long)
+
+    def release(self, rows: torch.Tensor) -> None:
+        self.free.extend(rows.tolist())
+
+    def _grow(self, size: int, width: int) -> None:
+        size = max(size, self.size)
+        for name in ("tokens", "logprobs", "entropies"):
+            old = getattr(self, name)
+            new = old.new_zeros(size, width)
+            new[: old.shape[0], : old.shape[1]] = old
+            setattr(self, name, new)
+        for name in ("count", "cap", "state", "seed", "finish", "pending"):
+            old = getattr(self, name)
+            setattr(self, name, torch.cat([old, old.new_zeros(size - old.shape[0])]))
+        self.free.extend(range(self.size, size))
+        self.size, self.width = size, width
+
+
+class HFEngine:
+    """The `hf` backend's engine over one loaded model (see the module docstring)."""
+
+    backend = "hf"
+
+    def __init__(self, runner: HFRunner, clock=NULL_CLOCK) -> None:
+        self.runner = runner
+        self.tokenizer = runner.tokenizer
+        self.device = str(runner.device)
         self.clock = clock
-        fork = torch.arange(state.cache.n_rows).repeat_interleave(n)  # candidate row -> problem row
-        self.runner, self.state, self.spec = runner, state, spec
-        self.cache = state.cache.select(fork)
-        self.cache.rows.rng_keys = torch.as_tensor(
-            [row_seed(int(k), i % n) for i, k in enumerate(self.cache.rows.rng_keys)])
-        self.pending = state.pending[fork]
-        rows = fork.numel()
-        self.cap = [min(spec.max_step_tokens, max(1, token_room[p])) for p in fork.tolist()]
-        self.generators = [torch.Generator().manual_seed(row_seed(sample_seeds[p], i % n))
-                           for i, p in enumerate(fork.tolist())]
-        self.tokens: list[list[int]] = [[] for _ in range(rows)]
-        self.logprobs: list[list[float]] = [[] for _ in range(rows)]
-        self.texts = [""] * rows
-        self.entropies = torch.zeros(rows, max(self.cap, default=1))
-        self.signals: list[dict[str, list[float]]] = [{} for _ in range(rows)]
-        self.finish: list[Optional[str]] = [None] * rows
-        self.live = torch.arange(rows)  # candidate ids still decoding, in cache row order
-        state.kept.clear()
+        self.label = ""  # proposers on this model, for timing phases (`forward:<label>`); set by the scheduler
+        self.table = _RowTable()
+        self.waiting: deque[ProposeRequest] = deque()
+        self.running: list[_Running] = []
+        self._eos = torch.as_tensor(sorted(runner.eos_ids), dtype=torch.long)
+        self._delimiters: dict[str, DelimiterTable] = {}
+        self.forwards = 0  # decode forwards run
+        self.rows_decoded = 0  # live rows summed over those forwards
 
-    def step(self, logits: torch.Tensor) -> None:
-        spec, live = self.spec, self.live
-        uniforms = torch.stack([torch.rand((), generator=self.generators[c]) for c in live.tolist()])
-        new, lp, ent = sample(logits, spec.temperature, spec.top_p, uniforms)
-        new, lp, ent = new.cpu(), lp.cpu(), ent.cpu()
-        done = torch.zeros(len(live), dtype=torch.bool)
-        tail = len(spec.delimiter) - 1
-        for j, c in enumerate(live.tolist()):
-            tok = int(new[j])
-            self.tokens[c].append(tok)
-            self.logprobs[c].append(float(lp[j]))
-            self.entropies[c, len(self.tokens[c]) - 1] = ent[j]
-            before = self.texts[c][-tail:] if tail else ""
-            piece = self.runner.piece(tok)
-            self.texts[c] += piece
-            if tok in self.runner.eos_ids:
-                self.finish[c] = "eos"
-            elif spec.delimiter in before + piece:
-                self.finish[c] = "delimiter"
-            elif len(self.tokens[c]) >= self.cap[c]:
-                self.finish[c] = "max_step_tokens"
-            done[j] = self.finish[c] is not None
-        if spec.pruners:
-            with self.clock.phase("prune"):
-                self._prune(done)
-        if done.any():
-            for j in done.nonzero().flatten().tolist():
-                c = int(live[j])
-                self.state.kept[(c // spec.n, c % spec.n)] = (self.cache.select([j]), self.tokens[c][-1])
-            stay = (~done).nonzero().flatten()
-            self.live, new = live[stay], new[stay]
-            if len(self.live):
-                self.cache = self.cache.select(stay)
-        self.pending = new
+    def reset(self) -> None:
+        """Forget queued and running proposals (a run that was interrupted left them)."""
+        self.waiting.clear()
+        self.running.clear()
+        self.table = _RowTable()
 
-    def _prune(self, done: torch.Tensor) -> None:
-        live = self.live.tolist()
-        counts = torch.as_tensor([len(self.tokens[c]) for c in live])
-        trace = StepTrace(self.entropies[self.live], counts, [self.texts[c] for c in live])
-        for pname, pruner in self.spec.pruners:
-            if self.spec.record_signals:
-                values = pruner.signal(trace).tolist()
-                for j, c in enumerate(live):
-                    self.signals[c].setdefault(pname, []).append(values[j])
-            flagged = pruner.check(trace) & ~done
-            for j in flagged.nonzero().flatten().tolist():
-                self.finish[live[j]] = f"pruned:{pname}"
-                done[j] = True
+    # ------------------------------------------------------------------ text and shapes
 
-    def candidates(self) -> list[Candidate]:
-        n = self.spec.n
-        return [
-            Candidate(
-                problem=c // n, source=self.spec.name, index=c % n, token_ids=self.tokens[c],
-                text=self.runner.decode(self.tokens[c][:-1] if self.finish[c] == "eos" else self.tokens[c]),
-                logprobs=self.logprobs[c], entropies=self.entropies[c, : len(self.tokens[c])].tolist(),
-                finish=self.finish[c] or "", signals=self.signals[c],
-            )
-            for c in range(len(self.tokens))
-        ]
+    def encode(self, text: str) -> list[int]:
+        return self.runner.encode(text)
 
+    def kv_shape(self) -> tuple[int, int, int, int]:
+        return self.runner.kv_shape()
 
-@torch.inference_mode()
-def propose(runner: HFRunner, state: ProposerState, spec: DecodeSpec, token_room: Sequence[int],
-            sample_seeds: Sequence[int]) -> list[Candidate]:
-    """`spec.n` candidates for every row of `state` (all rows decoded together).
+    # ------------------------------------------------------------------ states
 
-    token_room[p]: most tokens problem p may still add (limits.max_tokens); sample_seeds[p]:
-    seed of problem p's candidates this round (candidate i uses row_seed(seed, i)).
-    """
-    return propose_together(runner, [(state, spec, token_room, sample_seeds)])[0]
+    @torch.inference_mode()
+    def start(self, requests: Sequence[StartRequest]) -> list[HFState]:
+        out: list[Optional[HFState]] = [None] * len(requests)
+        for _, idx in _groups(requests, lambda r: id(r.evictor)):
+            cache = self.runner.new_cache(requests[idx[0]].evictor, len(idx), [requests[i].rng_key for i in idx])
+            with self.clock.phase(f"forward:{self.label}"):
+                pending = self.runner.prefill(cache, [self.runner.encode(requests[i].prompt) for i in idx]).tolist()
+            for j, i in enumerate(idx):
+                out[i] = HFState(cache.select([j]) if len(idx) > 1 else cache, int(pending[j]))
+        return out
 
-
-@torch.inference_mode()
-def propose_together(runner: HFRunner, jobs, clock=NULL_CLOCK) -> list[list[Candidate]]:
-    """`propose()` for several proposers that share `runner`'s model, in lockstep: every
-    decode step is one forward over all their live rows, so the weights are read once for
-    all of them. jobs: [(state, spec, token_room, sample_seeds), ...]; candidates per job.
-    `clock` (kvflow.timing) times each forward as `forward:<proposers in it>` and pruning."""
-    rounds = [_Round(runner, *job, clock=clock) for job in jobs]
-    while True:
-        active = [r for r in rounds if len(r.live)]
-        if not active:
-            break
-        with clock.phase("forward:" + "+".join(r.spec.name for r in active)):
-            if len(active) == 1:
-                logits = [runner.forward(active[0].cache, active[0].pending[:, None])]
+    @torch.inference_mode()
+    def sync(self, requests: Sequence[SyncRequest]) -> list[HFState]:
+        out: list[Optional[HFState]] = [None] * len(requests)
+        ingest = []
+        for i, req in enumerate(requests):
+            if req.own_index is not None:  # adopt: the candidate's row is the new state
+                cand = req.proposal.candidates[req.own_index]
+                out[i] = HFState(req.proposal.handle.select([req.own_index]), cand.token_ids[-1])
             else:
-                logits = runner.decode_joint([r.cache for r in active], [r.pending for r in active])
-        for r, lg in zip(active, logits):
-            r.step(lg)
-    return [r.candidates() for r in rounds]
+                ingest.append(i)
+        for _, idx in _groups([requests[i] for i in ingest], lambda r: id(r.state.cache.evictor)):
+            idx = [ingest[j] for j in idx]
+            states = [requests[i].state for i in idx]
+            # a state handed to sync is not used again by the caller: one alone is ingested in place
+            cache = BudgetedCache.cat([s.cache for s in states]) if len(states) > 1 else states[0].cache
+            ids = [self.runner.encode(requests[i].text) for i in idx]
+            with self.clock.phase(f"forward:{self.label}"):
+                self.runner.ingest(cache, [[s.pending] + x[:-1] if x else [] for s, x in zip(states, ids)])
+            for j, (i, s, x) in enumerate(zip(idx, states, ids)):
+                out[i] = HFState(cache.select([j]) if len(idx) > 1 else cache, x[-1] if x else s.pending)
+        return out
+
+    def release(self, states: Sequence[HFState], proposals: Sequence[Proposal] = ()) -> None:
+        for p in proposals:  # caches are freed with their last reference
+            p.handle = None
+
+    def scoring_session(self):
+        from kvflow.backends.hf.scoring import ScoringSession
+
+        return ScoringSession(self.runner, _FullContext(EvictorParams()))
+
+    # ------------------------------------------------------------------ proposals
+
+    def submit(self, requests: Sequence[ProposeRequest]) -> None:
+        self.waiting.extend(requests)
+
+    def busy_rows(self) -> int:
+        return sum(len(r.live) for r in self.running) + sum(q.spec.n for q in self.waiting)
+
+    @torch.inference_mode()
+    def step(self, max_rows: Optional[int] = None) -> list[Proposal]:
+        self._admit(max_rows)
+        if not self.running:
+            return []
+        parts = [(r.cache, r.live) for r in self.running]
+        rows = torch.cat([r.rows[r.live] for r in self.running])  # [L] row-table ids, forward order
+        t = self.table
+        names = "+".join(dict.fromkeys(r.request.proposer for r in self.running))
+        with self.clock.phase(f"forward:{names}"):
+            logits = self.runner.decode_step(parts, t.pending[rows])  # [L, vocab]
+        self.forwards += 1
+        self.rows_decoded += len(rows)
+        new, logprob, entropy = self._sample(logits, rows)
+        pos = t.count[rows]
+        t.tokens[rows, pos], t.logprobs[rows, pos], t.entropies[rows, pos] = new, logprob, entropy
+        t.count[rows] = pos + 1
+        t.pending[rows] = new
+        finish = torch.zeros_like(new)
+        start = 0
+        for r in self.running:  # stop rules per proposal: delimiter tables differ by spec
+            k = len(r.live)
+            sl = slice(start, start + k)
+            start += k
+            table = self._delimiter(r.request.spec.delimiter)
+            state = t.state[rows[sl]]
+            hit = table.hit[state, new[sl]]
+            t.state[rows[sl]] = table.next[state, new[sl]]
+            finish[sl] = torch.where(torch.isin(new[sl], self._eos), _EOS,
+                                     torch.where(hit, _DELIMITER, torch.where(pos[sl] + 1 >= t.cap[rows[sl]], _CAP, _LIVE)))
+            if r.texts is not None:
+                for j, tok in zip(r.live.tolist(), new[sl].tolist()):
+                    r.texts[j] += self.runner.piece(tok)
+            if r.request.spec.pruners:
+                with self.clock.phase("prune"):
+                    finish[sl] = self._prune(r, rows[sl], finish[sl])
+        t.finish[rows] = finish
+        ended = (finish != _LIVE).tolist()  # the step's one host sync
+        done: list[Proposal] = []
+        start = 0
+        for r in list(self.running):
+            k = len(r.live)
+            mine = ended[start : start + k]
+            start += k
+            if any(mine):
+                r.live = r.live[~torch.as_tensor(mine)]
+                if not len(r.live):
+                    self.running.remove(r)
+                    done.append(self._finish(r))
+        return done
+
+    def _admit(self, max_rows: Optional[int]) -> None:
+        busy = sum(len(r.live) for r in self.running)
+        while self.waiting and (max_rows is None or not self.running or busy + self.waiting[0].spec.n <= max_rows):
+            req = self.waiting.popleft()
+            spec, state = req.spec, req.state
+            n = spec.n
+            cache = state.cache.select([0] * n)  # fork: one row copy per candidate
+            cache.rows.rng_keys = torch.as_tensor([row_seed(int(state.cache.rows.rng_keys[0]), i) for i in range(n)])
+            rows = self.table.alloc(n, spec.max_step_tokens)
+            t = self.table
+            t.count[rows] = 0
+            t.cap[rows] = min(spec.max_step_tokens, max(1, req.token_room))
+            t.state[rows] = 0
+            t.seed[rows] = torch.as_tensor([row_seed(req.seed, i) for i in range(n)])
+            t.finish[rows] = _LIVE
+            t.pending[rows] = state.pending
+            self.running.append(_Running(req, cache, rows))
+            busy += n
+
+    def _sample(self, logits: torch.Tensor, rows: torch.Tensor):
+        specs = [r.request.spec for r in self.running]
+        sizes = [len(r.live) for r in self.running]
+        keys = [(s.temperature, s.top_p) for s in specs]
+        if len(set(keys)) == 1:
+            return self._sample_rows(logits, rows, *keys[0])
+        new = torch.zeros(len(rows), dtype=torch.long)
+        logprob, entropy = torch.zeros(len(rows)), torch.zeros(len(rows))
+        bounds = torch.tensor([0] + sizes).cumsum(0).tolist()
+        for key in dict.fromkeys(keys):
+            idx = torch.cat([torch.arange(bounds[i], bounds[i + 1]) for i, k in enumerate(keys) if k == key])
+            new[idx], logprob[idx], entropy[idx] = self._sample_rows(logits[idx], rows[idx], *key)
+        return new, logprob, entropy
+
+    def _sample_rows(self, logits, rows, temperature: float, top_p: float):
+        t = self.table
+        u = uniforms(t.seed[rows], t.count[rows]) if temperature > 0 else torch.zeros(len(rows))
+        new, logprob, entropy = sample(logits, temperature, top_p, u)
+        return new.cpu(), logprob.cpu(), entropy.cpu()
+
+    def _prune(self, r: _Running, rows: torch.Tensor, finish: torch.Tensor) -> torch.Tensor:
+        t = self.table
+        width = int(t.cap[rows].max())
+        texts = [r.texts[j] for j in r.live.tolist()] if r.texts is not None else _LazyTexts(self, rows)
+        trace = StepTrace(t.entropies[rows, :width], t.count[rows], texts)
+        for k, (name, pruner) in enumerate(r.request.spec.pruners):
+            if r.request.spec.record_signals:
+                for j, v in zip(r.live.tolist(), pruner.signal(trace).tolist()):
+                    r.signals[j].setdefault(name, []).append(v)
+            flagged = pruner.check(trace).to(finish.device) & (finish == _LIVE)
+            finish = torch.where(flagged, _PRUNED + k, finish)
+        return finish
+
+    def _finish(self, r: _Running) -> Proposal:
+        t, spec = self.table, r.request.spec
+        counts = t.count[r.rows].tolist()
+        tokens, logprobs, entropies = (x[r.rows].tolist() for x in (t.tokens, t.logprobs, t.entropies))
+        finishes = t.finish[r.rows].tolist()
+        cands = []
+        for i, (n, code) in enumerate(zip(counts, finishes)):
+            ids = tokens[i][:n]
+            finish = _FINISH.get(code) or f"pruned:{spec.pruners[code - _PRUNED][0]}"
+            cands.append(Candidate(
+                problem=0, source=r.request.proposer, index=i, token_ids=ids,
+                text=self.runner.decode(ids[:-1] if code == _EOS else ids), logprobs=logprobs[i][:n],
+                entropies=entropies[i][:n], finish=finish, signals=r.signals[i]))
+        t.release(r.rows)
+        return Proposal(r.request, cands, handle=r.cache)
+
+    def _delimiter(self, delimiter: str) -> DelimiterTable:
+        table = self._delimiters.get(delimiter)
+        if table is None:
+            table = self._delimiters[delimiter] = DelimiterTable(self.runner.pieces(), delimiter, "cpu")
+        return table
 
 
-@torch.inference_mode()
-def sync(runner: HFRunner, state: ProposerState, commits: Sequence[tuple[Optional[int], str]],
-         keep_rows: Sequence[int], *, name: str = "", clock=NULL_CLOCK) -> ProposerState:
-    """Bring every row up to date with the step just committed, then keep only `keep_rows`.
+class _LazyTexts(Sequence):
+    """Candidate texts decoded on access, for pruners that did not declare `needs_text = False`
+    but are given no incremental texts (never the case for built-ins)."""
 
-    commits[p] = (index of this proposer's candidate that was committed, or None; step text).
-    A committed own candidate is adopted (its cache becomes the row's state); otherwise the
-    committed text, tokenized with this model's tokenizer, is ingested with eviction.
-    """
-    parts: list[tuple[BudgetedCache, torch.Tensor]] = []
-    ingest_rows = [p for p in keep_rows if commits[p][0] is None]
-    order: dict[int, int] = {}
-    if ingest_rows:
-        sub = state.cache.select(ingest_rows)
-        new_ids = [runner.encode(commits[p][1]) for p in ingest_rows]
-        pend = state.pending[ingest_rows]
-        with clock.phase(f"forward:{name}"):
-            runner.ingest(sub, [[int(pend[i])] + ids[:-1] if ids else [] for i, ids in enumerate(new_ids)])
-        pending = torch.as_tensor([ids[-1] if ids else int(pend[i]) for i, ids in enumerate(new_ids)])
-        parts.append((sub, pending))
-        order.update({p: i for i, p in enumerate(ingest_rows)})
-    offset = len(ingest_rows)
-    for p in keep_rows:
-        own = commits[p][0]
-        if own is not None:
-            kept_cache, last = state.kept[(p, own)]
-            parts.append((kept_cache, torch.as_tensor([last])))
-            order[p] = offset
-            offset += 1
-    state.kept.clear()
-    if not parts:
-        return ProposerState(state.cache.select([]), state.pending[:0])
-    cache = BudgetedCache.cat([c for c, _ in parts]) if len(parts) > 1 else parts[0][0]
-    pending = torch.cat([pnd for _, pnd in parts])
-    perm = [order[p] for p in keep_rows]
-    if perm != list(range(len(perm))):
-        cache, pending = cache.select(perm), pending[perm]
-    return ProposerState(cache, pending)
+    def __init__(self, engine: HFEngine, rows: torch.Tensor) -> None:
+        self.engine, self.rows = engine, rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        t = self.engine.table
+        r = int(self.rows[i])
+        return "".join(self.engine.runner.piece(x) for x in t.tokens[r, : int(t.count[r])].tolist())
+
+
+def _groups(items: Sequence, key) -> list[tuple[object, list[int]]]:
+    groups: dict[object, list[int]] = {}
+    for i, item in enumerate(items):
+        groups.setdefault(key(item), []).append(i)
+    return list(groups.items())

@@ -3,7 +3,8 @@
 `HFRunner.forward()` appends tokens to a `BudgetedCache` (rows at their own offsets, right
 padding allowed) and returns the logits of each row's last real token; `ingest()` appends
 text of any length without ever holding more than `budget + buffer` tokens, compacting as
-it goes. The decode loop built on these lives in `kvflow.backends.hf.decode`.
+it goes. `decode_step()` runs one decode token for the live rows of many caches at once. The engine
+built on these (proposals, sampling, sync) lives in `kvflow.backends.hf.decode`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Optional, Sequence
 import torch
 
 from kvflow.backends.hf.attention import kvflow_attention_enabled
-from kvflow.backends.hf.cache import BudgetedCache, JointCache, new_rows
+from kvflow.backends.hf.cache import BudgetedCache, DecodeBatch, new_rows
 from kvflow.backends.hf.matmul import fp32_linear, fp32_min_tokens
 from kvflow.components.base import Evictor
 
@@ -64,6 +65,12 @@ class HFRunner:
         if text is None:
             text = self._pieces[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
         return text
+
+    def pieces(self) -> list[str]:
+        """`piece()` of every id the LM head can produce (ids past the tokenizer's: "")."""
+        n = len(self.tokenizer)
+        texts = self.tokenizer.batch_decode([[i] for i in range(n)], skip_special_tokens=False)
+        return texts + [""] * max(0, self.lm_head.out_features - n)
 
     # ------------------------------------------------------------------ caches
 
@@ -127,27 +134,26 @@ class HFRunner:
         return self.lm_head(hidden[torch.arange(hidden.shape[0], device=self.device), last]).float()
 
     @torch.inference_mode()
-    def decode_joint(self, caches: Sequence[BudgetedCache], pending: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """One decode step for the rows of several caches of this model in a single forward.
+    def decode_step(self, parts: Sequence[tuple[BudgetedCache, torch.Tensor]], tokens: torch.Tensor) -> torch.Tensor:
+        """One decode token for the live rows of several caches of this model, one forward.
 
-        pending[i]: [rows_i] int64, the token each row of caches[i] appends;
-        returns the logits [rows_i, vocab] float32 of every part.
+        parts: (cache, its live rows [k] int64 ascending); tokens: [L] int64, the token each
+        live row appends, parts in order; returns logits [L, vocab] float32. Each part attends
+        over its own slots (`DecodeBatch`); rows not listed are left as they are.
         """
-        joint = JointCache(caches)
-        mask = joint.begin_forward()
-        positions = torch.cat([c.rows.positions for c in caches])[:, None]  # [rows, 1]
+        batch = DecodeBatch(parts)
+        positions = torch.cat([c.rows.positions[live] for c, live in parts])[:, None]  # [L, 1]
         with kvflow_attention_enabled(self.model), self.upcast(int(positions.shape[0])):
             out = self.body(
-                input_ids=torch.cat(list(pending))[:, None].to(self.device),
+                input_ids=tokens[:, None].to(self.device),
                 position_ids=positions.to(self.device),
-                attention_mask=mask,
-                cache=joint,
+                attention_mask=None,
+                cache=batch,
                 use_cache=True,
-                kvflow_cache=joint,
+                kvflow_cache=batch,
             )
-        joint.end_forward()
-        logits = self.lm_head(out.last_hidden_state[:, -1]).float()  # [rows, vocab]
-        return list(logits.split(joint.splits))
+        batch.end_forward()
+        return self.lm_head(out.last_hidden_state[:, -1]).float()
 
     def ingest(self, cache: BudgetedCache, ids: Sequence[Sequence[int]]) -> None:
         """Append ids[r] to row r, in chunks that never push a row past `budget + buffer`."""
@@ -173,13 +179,21 @@ def _eos_ids(model, tokenizer) -> set[int]:
 
 
 class HFBackend:
-    """Registered as backend `hf`: loads models into `HFRunner`s."""
+    """Registered as backend `hf`: loads a model into an `HFEngine` (kvflow.backends.hf.decode)."""
 
     name = "hf"
 
     @staticmethod
-    def load(model_cfg) -> HFRunner:
+    def load(model_cfg):
+        """The engine of the model; model entries that load the very same weights (see
+        `load_model`) share one engine, so their proposers decode in one forward."""
+        from kvflow.backends.hf.decode import HFEngine
         from kvflow.models.loading import load_model
 
         model, tokenizer = load_model(model_cfg)
-        return HFRunner(model, tokenizer)
+        engine = getattr(model, "_kvflow_engine", None)
+        if engine is None or engine.tokenizer is not tokenizer:
+            engine = HFEngine(HFRunner(model, tokenizer))
+            model._kvflow_engine = engine
+        engine.reset()
+        return engine

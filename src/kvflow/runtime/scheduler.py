@@ -1,0 +1,272 @@
+"""The step scheduler (DESIGN.md §6): step-level continuous batching over engines.
+
+Every problem is its own small state machine: propose (every proposer's `n` candidates,
+pruners watching each token) → score → commit → sync → propose again, until the trajectory
+ends. Engines (`kvflow.components.engine`) decode the proposals of all live problems
+together, one step at a time; a problem whose candidates have all ended is scored,
+committed and synced at once, while the others keep decoding, and a problem that finishes
+makes room for the next one, which is admitted (prefilled) right away. This module imports
+no backend.
+
+Bounds (`Plan`): each engine decodes at most `batch_problems` × (candidates per problem on
+that engine) rows per forward; up to `live_problems` problems are in flight, so that the
+decode batch stays full while some problems score, sync, or wait for another engine.
+
+Results do not depend on scheduling: candidate i of a problem's step s on proposer p samples
+from row_seed(row_seed(seed, problem, p, s), i) whatever else is decoded with it.
+
+Timing: with a `timings` dict, a finished problem's `timing` is stored under its id before
+`on_done`: `wall` from its admission until it finished, split into the exclusive phases the
+scheduler spent meanwhile (`prefill`, `propose`, `score`, `commit`, `sync`, `record`, model
+forwards nested as `<phase>/forward:<proposers>`, pruning as `propose/prune`, and `other`),
+which sum to `wall`. Problems in flight together share that time; it is not divided.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Optional, Sequence
+
+from kvflow.components.base import Candidate, Committer, Evictor, Scorer, ScoreRequest, Step, Trajectory
+from kvflow.components.engine import Engine, Proposal, ProposeRequest, SamplingSpec, StartRequest, SyncRequest, row_seed
+from kvflow.config.schema import LimitsConfig
+from kvflow.timing import NULL_CLOCK, PhaseClock
+
+
+@dataclass
+class Proposer:
+    """A compiled proposer: the engine of its model, its evictor, and how it samples."""
+
+    name: str
+    engine: Engine
+    evictor: Evictor
+    spec: SamplingSpec
+
+
+@dataclass
+class Plan:
+    """Everything the scheduler needs, built by `kvflow.runtime.compile`."""
+
+    proposers: list[Proposer]
+    scorer: Scorer
+    committer: Committer
+    limits: LimitsConfig
+    seed: int
+    batch_problems: int = 16  # decode room per engine, in problems
+    live_problems: Optional[int] = None  # problems in flight; None = 2 x batch_problems
+
+    def engines(self) -> list[Engine]:
+        return list({id(p.engine): p.engine for p in self.proposers}.values())
+
+    def row_bound(self, engine: Engine) -> int:
+        """Most candidate rows `engine` decodes per forward."""
+        return self.batch_problems * sum(p.spec.n for p in self.proposers if p.engine is engine)
+
+
+@dataclass
+class Occupancy:
+    """Decode rows per forward, per engine, against the plan's bound (filled by `run`)."""
+
+    forwards: dict[str, int] = field(default_factory=dict)
+    rows: dict[str, int] = field(default_factory=dict)
+    bound: dict[str, int] = field(default_factory=dict)
+
+    def summary(self) -> dict:
+        return {name: {"forwards": f, "mean_rows": round(self.rows[name] / f, 3) if f else 0.0,
+                       "bound": self.bound[name],
+                       "occupancy": round(self.rows[name] / f / self.bound[name], 4) if f else 0.0}
+                for name, f in self.forwards.items()}
+
+
+class _Problem:
+    def __init__(self, traj: Trajectory, clock) -> None:
+        self.traj = traj
+        self.states: dict[str, object] = {}
+        self.proposals: dict[str, Proposal] = {}
+        self.waiting: set[str] = set()
+        self.admitted = time.perf_counter()
+        self.phases_at_admission = clock.snapshot()
+
+
+def run(plan: Plan, trajectories: Iterable[Trajectory], on_done: Callable[[Trajectory], None], *,
+        timings: Optional[dict[str, dict]] = None, occupancy: Optional[Occupancy] = None) -> None:
+    """Decode every trajectory to its end, handing each to `on_done` as it finishes (problems
+    finish in any order). `trajectories` is consumed lazily, as room frees up."""
+    clock = PhaseClock() if timings is not None else NULL_CLOCK
+    occupancy = occupancy if occupancy is not None else Occupancy()
+    names = {id(e): "+".join(p.name for p in plan.proposers if p.engine is e) for e in plan.engines()}
+    for e in plan.engines():
+        e.clock, e.label = clock, names[id(e)]
+        occupancy.bound[names[id(e)]] = plan.row_bound(e)
+    source = iter(trajectories)
+    max_live = plan.live_problems or 2 * plan.batch_problems
+    live: list[_Problem] = []
+    exhausted = False
+    while True:
+        if not exhausted and len(live) < max_live:
+            admitted = []
+            for traj in source:
+                admitted.append(_Problem(traj, clock))
+                if len(live) + len(admitted) >= max_live:
+                    break
+            else:
+                exhausted = True
+            if admitted:
+                _start(plan, admitted, clock)
+                live += admitted
+        if not live:
+            return
+        for engine in plan.engines():
+            if not engine.busy_rows():
+                continue
+            before = (engine.forwards, engine.rows_decoded)
+            with clock.phase("propose"):
+                finished = engine.step(plan.row_bound(engine))
+            name = names[id(engine)]
+            occupancy.forwards[name] = occupancy.forwards.get(name, 0) + engine.forwards - before[0]
+            occupancy.rows[name] = occupancy.rows.get(name, 0) + engine.rows_decoded - before[1]
+            for proposal in finished:
+                problem, proposer = proposal.request.tag
+                problem.proposals[proposer] = proposal
+                problem.waiting.discard(proposer)
+        ready = [p for p in live if not p.waiting]
+        if ready:
+            done = _advance(plan, ready, clock)
+            for p in done:
+                live.remove(p)
+            if timings is not None:
+                for p in done:
+                    timings[p.traj.problem_id] = _timing(clock, p)
+            with clock.phase("record"):
+                for p in done:
+                    on_done(p.traj)
+
+
+def _start(plan: Plan, problems: Sequence[_Problem], clock) -> None:
+    for p in problems:
+        t = p.traj
+        for prop in plan.proposers:
+            t.tokens_generated.setdefault(prop.name, 0)
+            t.candidates.setdefault(prop.name, 0)
+            for pname, _ in prop.spec.pruners:
+                t.pruned.setdefault(pname, 0)
+    with clock.phase("prefill"):
+        for prop in plan.proposers:
+            states = prop.engine.start([StartRequest(p.traj.prompt, prop.evictor, row_seed(plan.seed, p.traj.problem_id, prop.name))
+                                        for p in problems])
+            for p, s in zip(problems, states):
+                p.states[prop.name] = s
+    with clock.phase("propose"):
+        _submit(plan, problems)
+
+
+def _submit(plan: Plan, problems: Sequence[_Problem]) -> None:
+    for prop in plan.proposers:
+        requests = []
+        for p in problems:
+            t = p.traj
+            seed = row_seed(plan.seed, t.problem_id, prop.name, len(t.steps))
+            requests.append(ProposeRequest(p.states[prop.name], prop.name, prop.spec, seed,
+                                           plan.limits.max_tokens - t.committed_tokens, tag=(p, prop.name)))
+            p.waiting.add(prop.name)
+        prop.engine.submit(requests)
+
+
+def _advance(plan: Plan, ready: Sequence[_Problem], clock) -> list[_Problem]:
+    """Score, commit and sync every ready problem; resubmit the ones that go on. Returns the
+    problems that finished."""
+    by_problem = []
+    for p in ready:
+        cands: list[Candidate] = []
+        for prop in plan.proposers:
+            for c in p.proposals[prop.name].candidates:
+                _tally(p.traj, c)
+                cands.append(c)
+        by_problem.append(cands)
+    with clock.phase("score"):
+        _score(plan.scorer, [p.traj for p in ready], [[c for c in cs if not c.pruned] for cs in by_problem])
+    winners: list[Optional[Candidate]] = []
+    with clock.phase("commit"):
+        for p, cands in zip(ready, by_problem):
+            survivors = [c for c in cands if not c.pruned]
+            winner: Optional[Candidate] = None
+            if survivors:
+                winner = survivors[plan.committer.pick(survivors)]
+            elif plan.limits.on_all_pruned == "fallback":
+                with clock.phase("score"):
+                    _score(plan.scorer, [p.traj], [cands])
+                winner = cands[plan.committer.pick(cands)]
+            if winner is None:
+                p.traj.finish = "pruned"
+            else:
+                _commit(p.traj, winner, plan.proposers[0], fallback=not survivors)
+                _finish_if_done(p.traj, winner, plan.limits)
+            winners.append(winner)
+    going = [(p, w) for p, w in zip(ready, winners) if p.traj.finish is None]
+    done = [p for p in ready if p.traj.finish is not None]
+    with clock.phase("sync"):
+        for prop in plan.proposers:
+            requests = []
+            for p, w in going:
+                own = w.index if w.source == prop.name else None
+                requests.append(SyncRequest(p.states[prop.name], p.proposals.pop(prop.name), own, w.text))
+            for p, s in zip([p for p, _ in going], prop.engine.sync(requests) if requests else []):
+                p.states[prop.name] = s
+            if done:
+                prop.engine.release([p.states.pop(prop.name) for p in done], [p.proposals.pop(prop.name) for p in done])
+    with clock.phase("score"):
+        plan.scorer.release([p.traj.problem_id for p in done])
+    with clock.phase("propose"):
+        if going:
+            _submit(plan, [p for p, _ in going])
+    return done
+
+
+def _tally(traj: Trajectory, c: Candidate) -> None:
+    traj.tokens_generated[c.source] += c.n_tokens
+    traj.candidates[c.source] += 1
+    if c.signals:
+        traj.signals.append({"step": len(traj.steps), "source": c.source, "index": c.index,
+                             "finish": c.finish, "signals": c.signals})
+    if c.pruned:
+        traj.pruned[c.finish.split(":", 1)[1]] += 1
+
+
+def _timing(clock: PhaseClock, p: _Problem) -> dict:
+    wall = time.perf_counter() - p.admitted
+    now = clock.snapshot()
+    phases = {k: v - p.phases_at_admission.get(k, 0.0) for k, v in now.items()}
+    phases = {k: v for k, v in phases.items() if v > 0}
+    phases["other"] = max(0.0, wall - sum(phases.values()))
+    return {"wall": round(wall, 4), "phases": {k: round(v, 4) for k, v in sorted(phases.items())}}
+
+
+def _score(scorer: Scorer, trajs: Sequence[Trajectory], candidates: Sequence[Sequence[Candidate]]) -> None:
+    # A problem with one candidate has nothing to choose: its pick is forced, so it is not
+    # scored (its committed step's score stays None). Scorers sync to the trajectory lazily.
+    requests = [ScoreRequest(t, c) for t, cs in zip(trajs, candidates) if len(cs) > 1
+                for c in cs if scorer.can_score(c.source)]
+    if not requests:
+        return
+    for req, s in zip(requests, scorer.score(requests)):
+        req.candidate.score = float(s)
+
+
+def _commit(traj: Trajectory, winner: Candidate, base: Proposer, *, fallback: bool) -> None:
+    n_tokens = winner.n_tokens if winner.source == base.name else len(base.engine.encode(winner.text))
+    score = None if winner.score is None or math.isnan(winner.score) else winner.score
+    traj.steps.append(Step(winner.text, winner.source, score, n_tokens, fallback))
+    traj.committed_tokens += n_tokens
+
+
+def _finish_if_done(traj: Trajectory, winner: Candidate, limits: LimitsConfig) -> None:
+    if winner.finish == "eos":
+        traj.finish = "eos"
+    elif limits.stop_on_answer and "\\boxed" in winner.text:
+        traj.finish = "answer"
+    elif len(traj.steps) >= limits.max_steps:
+        traj.finish = "cap_steps"
+    elif traj.committed_tokens >= limits.max_tokens:
+        traj.finish = "cap_tokens"
