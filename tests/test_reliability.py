@@ -128,7 +128,7 @@ FAKE = textwrap.dedent('''
                               "finish": "eos", "degenerate": False, "seconds": 0.0})
 
     runner._decode = fake_decode
-    compile_.check_models = lambda loaded: None
+    compile_.check_models = lambda loaded, registry=None: None
     from kvflow.cli import main
     sys.argv = ["kvflow"] + sys.argv[1:]
     main()

@@ -96,11 +96,16 @@ def register_proposers(register: Register) -> None:
 def register_backends(register: Register) -> None:
     """Register inference backends (what a model entry's ``backend:`` names).
 
-    Called once when the registry is built. Example::
+    Called once when the registry is built. A backend is a class with two static methods:
+    ``check(model_cfg) -> str | None`` (loads nothing: None if the model can be loaded here,
+    else a sentence saying why not; `kvflow run` calls it before anything loads) and
+    ``load(model_cfg) -> Engine``, one engine per loaded model, implementing
+    `kvflow.components.engine.Engine` (start, submit, step, sync, release, ...). The engine
+    contract suite `kvflow.testing.engine_contract` checks an implementation. Example::
 
-        register("hf", "kvflow.backends.hf:HFBackend")
+        register("hf", "kvflow.backends.hf.engine:HFBackend")
 
-    Added in kvflow 0.1.
+    Added in kvflow 0.1; `check` and the Engine protocol in 0.2.
     """
 
 

@@ -46,7 +46,7 @@ class DatasetConfig(Frozen):
 
 
 class ModelConfig(Frozen):
-    backend: Literal["hf", "sglang"] = Field("hf", description="Inference engine.")
+    backend: str = Field("hf", min_length=1, description="Inference engine: a registered backend (`kvflow ls backends`).")
     id: str = Field(..., description="Hub id, local directory, .gguf path, or catalog:<name>.")
     dtype: Literal["bfloat16", "float16", "float32", "auto"] = "bfloat16"
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")

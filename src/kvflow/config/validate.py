@@ -243,6 +243,18 @@ def _check_component(
         return None
 
 
+def _check_backends(data: dict, registry: "Registry", locs: Locations, problems: list) -> None:
+    """Every model's `backend` names a registered engine (built-in or a plugin's)."""
+    models = data.get("models")
+    for key, entry in (models.items() if isinstance(models, dict) else ()):
+        backend = entry.get("backend", "hf") if isinstance(entry, dict) else None
+        if isinstance(backend, str) and backend and not registry.has("backends", backend):
+            path = ("models", key, "backend")
+            loc = locs.lookup(path)
+            problems.append(ConfigProblem(loc.file, loc.line, format_path(path), f"unknown backend '{backend}'",
+                                          unknown_component_hint("backends", backend, registry.names("backends"))))
+
+
 def _check_refs(data: dict, specs: dict[PathParts, Optional[ComponentSpec]], locs: Locations, problems: list) -> None:
     models = data.get("models")
     if not isinstance(models, dict):
@@ -306,6 +318,7 @@ def load_pipeline(
     for kind, cpath, entry in _component_entries(data):
         specs[cpath] = _check_component(kind, cpath, entry, registry, locs, problems)
     _check_refs(data, specs, locs, problems)
+    _check_backends(data, registry, locs, problems)
 
     if problems or pipeline is None:
         unique = list(dict.fromkeys(problems))

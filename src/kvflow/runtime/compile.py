@@ -25,17 +25,16 @@ def used_models(loaded: LoadedPipeline) -> list[str]:
     return list(dict.fromkeys(keys))
 
 
-def check_models(loaded: LoadedPipeline) -> None:
-    from kvflow.models.loading import check_available
+def check_models(loaded: LoadedPipeline, registry=None) -> None:
+    """Every used model is obtainable, as its backend says (`Backend.check(model_cfg)`: None
+    or why not), before anything loads."""
+    from kvflow.registry import get_registry
 
+    registry = registry or get_registry()
     problems = []
     for key in used_models(loaded):
         cfg = loaded.pipeline.models[key]
-        if cfg.backend != "hf":
-            problems.append(loaded.problem(f"models.{key}.backend", f"backend {cfg.backend!r} is not available in this "
-                                           "version of kvflow", "use backend: hf"))
-            continue
-        why = check_available(cfg)
+        why = registry.get("backends", cfg.backend).check(cfg)
         if why:
             problems.append(loaded.problem(f"models.{key}.id", f"model {cfg.id!r} is not available: {why}", CPU_HINT))
     if problems:

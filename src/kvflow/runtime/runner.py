@@ -54,7 +54,7 @@ def run_pipeline(loaded: LoadedPipeline, *, force: bool = False, registry=None, 
 
     registry = registry or get_registry()
     pipe = loaded.pipeline
-    compile_.check_models(loaded)
+    compile_.check_models(loaded, registry)
     problems = load_dataset(loaded)
     store = ResultsDir(results_path(loaded))
     owners = compile_.pruner_owners(loaded)

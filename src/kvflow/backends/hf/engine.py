@@ -184,6 +184,13 @@ class HFBackend:
     name = "hf"
 
     @staticmethod
+    def check(model_cfg):
+        """None if the model can be loaded here (nothing is loaded), else why not."""
+        from kvflow.models.loading import check_available
+
+        return check_available(model_cfg)
+
+    @staticmethod
     def load(model_cfg):
         """The engine of the model; model entries that load the very same weights (see
         `load_model`) share one engine, so their proposers decode in one forward."""
