@@ -1,6 +1,6 @@
 """kvflow's whole step loop against plain `model.generate` (issue 7: framework overhead).
 
-The kvflow side is `kvflow.runtime.loop.run_batch` with one proposer, evictor `none`, greedy
+The kvflow side is the step scheduler (`kvflow.runtime.scheduler.run`) on the `hf` engine with one proposer, evictor `none`, greedy
 sampling (temperature 0, n = 1), steps split on the delimiter ("\\n\\n", at most
 `--max-step-tokens` tokens a step), the `likelihood` scorer on the candidates' own
 log-probabilities (free) and the `best` committer: every step forks the cache, decodes to the
@@ -64,24 +64,26 @@ def prompts(runner, n):
 
 
 def run_kvflow(runner, texts, args):
-    from kvflow.backends.hf.decode import DecodeSpec
+    from kvflow.backends.hf.decode import HFEngine
     from kvflow.components.base import ScorerContext, Trajectory
+    from kvflow.components.engine import SamplingSpec
     from kvflow.config.schema import LimitsConfig
     from kvflow.registry import get_registry
-    from kvflow.runtime.loop import Plan, Proposer, run_batch
+    from kvflow.runtime.scheduler import Plan, Proposer, run
 
     reg = get_registry()
     none, scorer, committer = (reg.get("evictors", "none"), reg.get("scorers", "likelihood"),
                                reg.get("committers", "best"))
-    spec = DecodeSpec("base", 1, 0.0, 1.0, args.max_step_tokens, "\n\n")
+    spec = SamplingSpec(1, 0.0, 1.0, args.max_step_tokens, "\n\n")
     ctx = ScorerContext(load_session=None, proposers=["base"], seed=0)
-    plan = Plan([Proposer("base", runner, none(none.Params()), spec)], scorer(scorer.Params(), ctx),
+    plan = Plan([Proposer("base", HFEngine(runner), none(none.Params()), spec)], scorer(scorer.Params(), ctx),
                 committer(committer.Params(), ["base"]),
-                LimitsConfig(max_tokens=args.tokens, max_steps=10_000, stop_on_answer=False), 0)
+                LimitsConfig(max_tokens=args.tokens, max_steps=10_000, stop_on_answer=False), 0,
+                batch_problems=args.batch)
     trajs = [Trajectory(f"p{i}", "", t) for i, t in enumerate(texts)]
     timings: dict = {}
     t = time.perf_counter()
-    run_batch(plan, trajs, lambda tr: None, timings=timings)
+    run(plan, trajs, lambda tr: None, timings=timings)
     seconds = time.perf_counter() - t
     assert all(tr.committed_tokens == args.tokens for tr in trajs), [tr.committed_tokens for tr in trajs]
     last = max(timings.values(), key=lambda x: x["wall"])  # the whole batch

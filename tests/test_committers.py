@@ -86,3 +86,14 @@ def test_margin_validates_in_a_pipeline():
     loaded = load_pipeline(REPO / "pipelines/kv_rescue.yaml", sets=["committer={kind: margin, delta: 0.05}"])
     assert loaded.components.committer.cls is MarginCommitter
     assert loaded.components.committer.params.delta == 0.05
+
+
+def test_margin_ranks_an_unscored_candidate_below_one_scored_minus_infinity():
+    """The docstring's rule: unscored (None or nan) ranks below every scored candidate, -inf
+    included. Breaking it (unscored keyed as -inf) makes base0 and base1 tie, and the lower
+    index, the unscored one, wins."""
+    for unscored in (None, math.nan):
+        cs = cands(("base", 0, unscored), ("base", 1, -math.inf))
+        assert margin(cs) == 1
+        cs = cands(("helper", 0, unscored), ("helper", 1, -math.inf))
+        assert margin(cs) == 1

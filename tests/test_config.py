@@ -375,3 +375,27 @@ def test_loaded_problem_helper():
     loaded = load_pipeline(VALID)
     pr = loaded.problem("proposers.base.evictor.budget", "too small", "raise it")
     assert pr.file.endswith("valid.yaml") and pr.line == 14
+
+
+def test_aggregate_is_rejected_where_it_means_nothing(write):
+    """Only a scorer that combines per-step scores (prm) takes `aggregate`; on likelihood, the
+    judge or random it used to be accepted and ignored."""
+    for kind in ("likelihood", "random"):
+        p = write(f"{kind}.yaml", f"""
+            kvflow: 1
+            name: agg
+            models: {{m: {{id: some/model}}}}
+            proposers: {{base: {{model: m}}}}
+            scorer: {{kind: {kind}, aggregate: min}}
+            """)
+        with pytest.raises(UserError) as ei:
+            load_pipeline(p)
+        assert any(pr.path == "scorer.aggregate" for pr in problems_of(ei)), kind
+    p = write("prm.yaml", """
+        kvflow: 1
+        name: agg
+        models: {m: {id: some/model}, prm: {id: some/prm}}
+        proposers: {base: {model: m}}
+        scorer: {kind: prm, model: prm, aggregate: min}
+        """)
+    assert load_pipeline(p).components.scorer.params.aggregate == "min"

@@ -79,7 +79,7 @@ def test_names_get_info():
     assert info.defaults["stride"] == 2 and info.defaults["mode"] == "<required>" and info.defaults["budget"] == 64
     (p,) = reg.plugins()
     assert (p.name, p.status, p.registered) == ("good", "ok", {"evictors": ["window", "lazy"], "committers": ["first"]})
-    assert set(KINDS) == {"evictors", "pruners", "scorers", "committers", "proposers", "backends"}
+    assert set(KINDS) == {"evictors", "pruners", "scorers", "committers", "backends"}
 
 
 def test_unknown_name_and_kind():

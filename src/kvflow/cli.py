@@ -138,7 +138,6 @@ class LsWhat(str, Enum):
     pruners = "pruners"
     scorers = "scorers"
     committers = "committers"
-    proposers = "proposers"
     backends = "backends"
     pipelines = "pipelines"
 
@@ -186,7 +185,7 @@ def ls(what: Optional[LsWhat] = typer.Argument(None, help="What to list (default
 
     Without an argument, lists every installed evictor, pruner, scorer and committer with its
     description (the first line of its docstring) and parameter defaults (`<required>` for a
-    parameter without one). `kvflow ls proposers` and `kvflow ls backends` list those kinds;
+    parameter without one). `kvflow ls backends` lists the engines (backends);
     `kvflow ls pipelines` lists the YAML files under `./pipelines` with their names and
     descriptions.
     \f

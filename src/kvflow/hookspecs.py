@@ -80,19 +80,6 @@ def register_committers(register: Register) -> None:
 
 
 @hookspec
-def register_proposers(register: Register) -> None:
-    """Register proposer implementations (how candidates are produced from a model).
-
-    Called once when the registry is built. kvflow 0.1 ships one, ``sampled``; the hook
-    exists so that e.g. beam or speculative proposers can be added. Example::
-
-        register("sampled", "kvflow.runtime.proposer:SampledProposer")
-
-    Added in kvflow 0.1.
-    """
-
-
-@hookspec
 def register_backends(register: Register) -> None:
     """Register inference backends (what a model entry's ``backend:`` names).
 
@@ -115,6 +102,5 @@ KINDS = {
     "pruners": "register_pruners",
     "scorers": "register_scorers",
     "committers": "register_committers",
-    "proposers": "register_proposers",
     "backends": "register_backends",
 }

@@ -54,7 +54,8 @@ class MarginCommitter(Committer):
             c = candidates[i]
             s = _score(c)
             order = self.proposers.index(c.source) if c.source in self.proposers else len(self.proposers)
-            return (-(s if s is not None else -math.inf), order, c.index)
+            # unscored (None or nan) after every scored candidate, even one scored -inf
+            return (s is None, -s if s is not None else 0.0, order, c.index)
 
         return min(indices, key=key) if indices else None
 

@@ -17,13 +17,10 @@ candidate, or "(the solution ends here)" when it is empty (e.g. an EOS step). Th
 P("Yes") / (P("Yes") + P("No")) from the logits at the answer position (the first token the
 judge would generate), where "Yes" and "No" are the first tokens of those words encoded alone.
 All requests of a round run in one batched forward (right padding, chunks of at most
-`batch_tokens` padded tokens). The judge rates the newest step only, so `aggregate` must be
-`last`.
+`batch_tokens` padded tokens). The judge rates the newest step only (there is no `aggregate`).
 """
 
 from __future__ import annotations
-
-from typing import Literal
 
 from pydantic import Field
 
@@ -41,7 +38,6 @@ ANSWERS = ("Yes", "No")
 
 class JudgeParams(StepScorerParams):
     model: str = Field(..., description="Key of `models` holding the judge (an instruct model).")
-    aggregate: Literal["last"] = Field("last", description="The judge rates the newest step only.")
     batch_tokens: int = Field(16384, ge=1, description="Most padded tokens per judge forward.")
 
 

@@ -45,6 +45,8 @@ SHEPHERD_LABELS = ("+", "-")
 
 class PRMParams(StepScorerParams):
     model: str = Field(..., description="Key of `models` holding the PRM checkpoint.")
+    aggregate: Literal["last", "min", "prod", "mean"] = Field(
+        "last", description="How the trajectory's step scores combine into the candidate's score.")
     protocol: Literal["qwen25-math-prm", "math-shepherd"] = Field(
         "qwen25-math-prm", description="How steps are tagged and read (see the module docstring).")
     batch_tokens: int = Field(16384, ge=1, description="Most padded tokens per PRM forward.")

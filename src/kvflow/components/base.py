@@ -272,7 +272,8 @@ class Evictor:
         generators: Sequence["_torch.Generator"],
         stats: Optional["_torch.Tensor"] = None,
     ) -> "_torch.Tensor":
-        """Slots to keep: [rows, kv_heads, budget] int64, ascending (time order)."""
+        """Slots to keep: [rows, kv_heads, budget] int64, ascending (time order): the `budget`
+        highest scores, forced slots first; among equal scores the later slot is kept."""
         rows, kv_heads, n, _ = keys.shape
         budget = self.params.budget
         extra = {"stats": stats} if self.observes_attention else {}
@@ -285,7 +286,11 @@ class Evictor:
         always = (slot >= length - self.params.window) | (slot < n_protected.to(keys.device)[:, None])
         scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
         scores = scores.masked_fill((always & valid)[:, None, :], float("inf"))
-        keep = scores.topk(budget, dim=-1).indices  # [rows, kv_heads, budget]
+        # ties: the later slot wins. A stable sort over the slots in reverse time order makes
+        # the kept set a function of the scores alone (topk's tie order depends on the batch
+        # shape and the device); tied scores are common (key norms of a repeated token).
+        order = scores.flip(-1).sort(dim=-1, descending=True, stable=True).indices[..., :budget]
+        keep = (n - 1) - order  # [rows, kv_heads, budget]
         return keep.sort(dim=-1).values
 
 
@@ -322,7 +327,8 @@ class Pruner:
 
 
 class ScorerParams(Params):
-    aggregate: str = Field("last", pattern="^(last|min|prod|mean)$", description="How step scores combine.")
+    """Base of scorer parameters. A scorer that combines per-step scores declares its own
+    `aggregate` (e.g. `prm`); elsewhere the key is rejected, since it would mean nothing."""
 
 
 @dataclass

@@ -230,7 +230,7 @@ def _load(src: ModelSource, dtype: str, trust: bool, revision: Optional[str]) ->
     return model, AutoTokenizer.from_pretrained(src.ref, **kw)
 
 
-def _load_tokenizer(tok_id: str, trust: bool) -> Any:
+def _load_tokenizer(tok_id: str, trust: bool, revision: Optional[str] = None) -> Any:
     from transformers import AutoTokenizer
 
     src = resolve_source(tok_id)
@@ -239,7 +239,7 @@ def _load_tokenizer(tok_id: str, trust: bool) -> Any:
     if src.kind == "gguf":
         p = Path(src.ref)
         return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
-    return AutoTokenizer.from_pretrained(src.ref, trust_remote_code=trust)
+    return AutoTokenizer.from_pretrained(src.ref, trust_remote_code=trust, revision=revision)
 
 
 def load_model(model_cfg: Any) -> tuple[Any, Any]:
@@ -260,7 +260,7 @@ def load_model(model_cfg: Any) -> tuple[Any, Any]:
         t0 = time.perf_counter()
         model, tokenizer = _load(resolve_source(model_cfg.id, gguf_file), dtype, trust, revision)
         if tok_id and tok_id != model_cfg.id:
-            tokenizer = _load_tokenizer(tok_id, trust)
+            tokenizer = _load_tokenizer(tok_id, trust, revision)
         model = model.to(device).eval()
         log.info("loaded %s (%s, %s) in %.1f s", model_cfg.id, dtype, device, time.perf_counter() - t0)
         _CACHE[key] = (model, tokenizer)

@@ -138,15 +138,30 @@ def _decode_with(loaded: LoadedPipeline, registry, store: ResultsDir, todo, quie
             tally["correct"] += correct
             status = f"acc {tally['correct']}/{tally['done']}"
             progress.update(tally["done"], status)
+            heartbeat["last"] = time.time()
             if not quiet and not progress.live:
                 _say(False, f"[{tally['done']}/{len(todo)}] {problem.id}: {'correct' if correct else 'wrong'}, "
                             f"{len(traj.steps)} steps, {traj.committed_tokens} tokens, {record['seconds']:.1f} s; "
                             f"{status} ({tally['correct'] / tally['done']:.0%})")
 
+        heartbeat = {"last": time.time(), "start": time.time()}
+
+        def on_tick(live: int) -> None:  # a sign of life between finished problems (logs, CI)
+            now = time.time()
+            if quiet or progress.live or now - heartbeat["last"] < _HEARTBEAT_S:
+                return
+            heartbeat["last"] = now
+            _say(False, f"[{tally['done']}/{len(todo)}] {live} in flight, {now - heartbeat['start']:.0f} s")
+
+        _say(quiet, f"decoding {len(todo)} problems ({pipe.run.batch_problems} per decode batch, "
+                    f"{plan.live_problems or 2 * plan.batch_problems} in flight)")
         try:
-            run(plan, trajectories(), on_done, timings=timings, occupancy=occupancy)
+            run(plan, trajectories(), on_done, timings=timings, occupancy=occupancy, on_tick=on_tick)
         finally:
             store.update_manifest(occupancy=_merge_occupancy(store.manifest().get("occupancy"), occupancy.summary()))
+
+
+_HEARTBEAT_S = 10.0  # seconds between "in flight" lines when no problem has finished
 
 
 def _merge_occupancy(previous: Optional[dict], current: dict) -> dict:

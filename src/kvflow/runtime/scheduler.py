@@ -91,9 +91,11 @@ class _Problem:
 
 
 def run(plan: Plan, trajectories: Iterable[Trajectory], on_done: Callable[[Trajectory], None], *,
-        timings: Optional[dict[str, dict]] = None, occupancy: Optional[Occupancy] = None) -> None:
+        timings: Optional[dict[str, dict]] = None, occupancy: Optional[Occupancy] = None,
+        on_tick: Optional[Callable[[int], None]] = None) -> None:
     """Decode every trajectory to its end, handing each to `on_done` as it finishes (problems
-    finish in any order). `trajectories` is consumed lazily, as room frees up."""
+    finish in any order). `trajectories` is consumed lazily, as room frees up. `on_tick(live)`
+    is called after every decode step with the number of problems in flight (for progress)."""
     clock = PhaseClock() if timings is not None else NULL_CLOCK
     occupancy = occupancy if occupancy is not None else Occupancy()
     names = {id(e): "+".join(p.name for p in plan.proposers if p.engine is e) for e in plan.engines()}
@@ -131,6 +133,8 @@ def run(plan: Plan, trajectories: Iterable[Trajectory], on_done: Callable[[Traje
                 problem, proposer = proposal.request.tag
                 problem.proposals[proposer] = proposal
                 problem.waiting.discard(proposer)
+        if on_tick is not None:
+            on_tick(len(live))
         ready = [p for p in live if not p.waiting]
         if ready:
             done = _advance(plan, ready, clock)

@@ -23,6 +23,7 @@ What is checked, for bounded evictors (for `bounded = False` ones only what appl
 - cache bound: the resident length never exceeds `budget + buffer` (the peak, during the
   forward that triggers a compaction), is exactly `budget` right after a compaction, and
   the preallocated storage never grows;
+- ties: equal scores keep the later slot, alone and batched alike (a repeated token's keys);
 - `select()`: exactly `budget` slots per (row, KV head), strictly ascending (time order, no
   duplicates), inside the row, the recent window and the protected prompt always among them,
   for every architecture (GQA 2 and 3 KV heads, MHA), rows of different lengths, float32
@@ -158,6 +159,46 @@ class EvictorContract(ComponentContract):
             assert layer.keys.shape[2] == peak + 1 and layer.values.shape[2] == peak + 1, "KV storage grew"
 
     # ------------------------------------------------------------------ select() invariants
+
+    @pytest.mark.parametrize("arch", ["qwen2", "mha"])
+    def test_select_is_tie_stable(self, evictor_factory, arch):
+        """A repeated token gives equal keys, values and queries, so a deterministic method's
+        scores tie: the kept slots must then follow kvflow's rule (among equal scores the
+        later slot wins) and be the same for a row alone as in a batch of other rows."""
+        import torch
+
+        ev = self.make(evictor_factory)
+        self._needs_bounded(ev)
+        q_heads, kv_heads, d = _shapes(arch)
+        n, budget = ev.trigger, ev.params.budget
+        g = torch.Generator().manual_seed(1)
+        k, v = torch.randn(1, kv_heads, 1, d, generator=g), torch.randn(1, kv_heads, 1, d, generator=g)
+        q = torch.randn(1, q_heads, 1, d, generator=g)
+        rows = 3
+        keys, values = k.expand(rows, -1, n, -1).clone(), v.expand(rows, -1, n, -1).clone()
+        keys[1:] = torch.randn(rows - 1, kv_heads, n, d, generator=g)  # other rows: no ties
+        values[1:] = torch.randn(rows - 1, kv_heads, n, d, generator=g)
+        queries = q.expand(rows, -1, ev.query_window, -1).clone() if ev.query_window else None
+        stats = torch.ones(rows, kv_heads, n) if ev.observes_attention else None
+        lengths, n_protected = torch.full((rows,), n), torch.zeros(rows, dtype=torch.long)
+
+        def keep_of(r: slice):
+            gens = [torch.Generator().manual_seed(5) for _ in range(r.stop - r.start)]
+            return ev.select(keys[r], values[r], queries[r] if queries is not None else None, layer_idx=0,
+                             lengths=lengths[r], n_protected=n_protected[r], generators=gens,
+                             stats=stats[r] if stats is not None else None)
+
+        alone, batched = keep_of(slice(0, 1)), keep_of(slice(0, rows))[:1]
+        assert torch.equal(alone, batched), (
+            "tied scores kept different slots alone and in a batch: break ties by slot (kvflow's rule: "
+            "the later slot wins), not by topk's order, or let the base class Evictor.select() choose")
+        gens = [torch.Generator().manual_seed(5)]
+        extra = {"stats": stats[:1]} if ev.observes_attention else {}
+        scores = ev.score(keys[:1], values[:1], queries[:1] if queries is not None else None, layer_idx=0,
+                          lengths=lengths[:1], n_protected=n_protected[:1], generators=gens, **extra).float()
+        if bool((scores == scores[..., :1]).all()):  # every slot ties: the newest `budget` are kept
+            expected = torch.arange(n - budget, n).expand(1, kv_heads, budget)
+            assert torch.equal(alone, expected), f"tied scores must keep the latest slots; kept {alone[0, 0].tolist()}"
 
     @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
     @pytest.mark.parametrize("protect", [False, True])
