@@ -45,6 +45,9 @@ def test_quickstart_end_to_end_on_smollm2(tmp_path):
     assert {"config.resolved.yaml", "manifest.json", "samples.jsonl", "metrics.json"} <= names
     records = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     assert len(records) == 2 and len({r["id"] for r in records}) == 2
+    from kvflow.config import load_pipeline
+
+    limits = load_pipeline(run_dir / "config.resolved.yaml").pipeline.limits
     for r in records:
         for field in ("id", "prompt", "gold", "prediction", "correct", "steps", "tokens_generated", "pruned",
                       "finish", "degenerate", "seconds"):
@@ -53,7 +56,18 @@ def test_quickstart_end_to_end_on_smollm2(tmp_path):
         assert r["steps"] and {s["source"] for s in r["steps"]} <= {"base", "helper"}
         assert set(r["tokens_generated"]) == {"base", "helper"} and r["tokens_generated"]["base"] > 0
         assert set(r["pruned"]) == {"entropy", "gzip"}
-        assert r["finish"] in ("eos", "cap_steps", "cap_tokens", "answer", "pruned")
+        # the finish follows the rules (kvflow.runtime.scheduler._finish_if_done), checked from the
+        # record: never `pruned` (the helper is never pruned), the cap only at the cap, `answer` only
+        # on a boxed answer and whenever one ended a step that did not end in EOS
+        last = r["steps"][-1]["text"]
+        assert r["finish"] in ("eos", "cap_steps", "cap_tokens", "answer"), r["finish"]
+        assert (r["finish"] == "cap_tokens") <= (r["output_tokens"] >= 72)
+        assert (r["finish"] == "cap_steps") <= (len(r["steps"]) == limits.max_steps)
+        assert (r["finish"] == "answer") <= ("\\boxed" in last)
+        if limits.stop_on_answer and "\\boxed" in last and r["finish"] != "eos":
+            assert r["finish"] == "answer"
+        if r["output_tokens"] < 72 and len(r["steps"]) < limits.max_steps:
+            assert r["finish"] in ("eos", "answer")  # it ended on its own
         assert "".join(s["text"] for s in r["steps"]) == r["output"]
     metrics = json.loads((run_dir / "metrics.json").read_text())
     for field in ("n_problems", "accuracy", "mean_steps", "tokens_generated", "step_share", "pruned_fraction",

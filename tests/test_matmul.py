@@ -20,8 +20,24 @@ def test_fp32_linear_matches_bf16_linear():
     ref = torch.nn.functional.linear(x.float(), w.float(), b.float())
     assert up.dtype == torch.bfloat16
     torch.testing.assert_close(up.float(), ref, rtol=1e-2, atol=1e-2)  # one bf16 rounding
-    with matmul.fp32_linear(enabled=False):
-        assert torch.equal(torch.nn.functional.linear(x, w, b), torch.nn.functional.linear(x, w, b))
+
+    # what the mode does, not only that the result is close: the GEMM itself runs on float32
+    # operands inside it, and on the bf16 ones outside it or when disabled (breaking the mode's
+    # upcast makes the first assertion fail; the closeness above holds either way)
+    class Spy(torch.overrides.TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.linears = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.nn.functional.linear:
+                self.linears.append(tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
+            return func(*args, **(kwargs or {}))
+
+    for enabled, dtype in ((True, torch.float32), (False, torch.bfloat16)):
+        with Spy() as spy, matmul.fp32_linear(enabled=enabled):
+            out = torch.nn.functional.linear(x, w, b)
+        assert spy.linears == [(dtype,) * 3] and out.dtype == torch.bfloat16
 
 
 def test_switch_and_where_it_applies(monkeypatch):

@@ -187,12 +187,23 @@ def test_helper_only_never_runs_the_base():
         assert set(t.tokens_generated) == {"helper"}
 
 
-def test_best_of_n_and_full_kv_on_tiny_models():
+def test_best_of_n_and_full_kv_on_tiny_models(monkeypatch):
+    """best-of-N evicts (its base caches compact), full-KV never does: the run itself, not
+    only the evictor's type (breaking full_kv.yaml's `evictor: none` fails the second part)."""
+    from kvflow.backends.hf.cache import BudgetedCache
+
+    compacted = []
+    original = BudgetedCache.compact
+    monkeypatch.setattr(BudgetedCache, "compact", lambda self, rows: (compacted.append(len(rows)),
+                                                                      original(self, rows))[1])
     trajs, models, _ = run_tiny("baselines/best_of_n.yaml")
     assert all(s.source == "base" for t in trajs for s in t.steps) and models.forwards["tiny-helper"] == 0
     assert all(sum(t.pruned.values()) == 0 for t in trajs)
-    _, _, plan = run_tiny("baselines/full_kv.yaml")
+    assert compacted, "best-of-N's evicted base never compacted"
+    compacted.clear()
+    trajs, _, plan = run_tiny("baselines/full_kv.yaml")
     assert isinstance(plan.proposers[0].evictor, NoEviction)
+    assert not compacted and sum(t.committed_tokens for t in trajs) > 2 * (16 + 8)  # long enough to have evicted
 
 
 def test_runs_are_deterministic_under_the_seed():

@@ -61,9 +61,24 @@ def test_error_bound_random(bits):
     vc, vs, vz = quantize_values(x, bits, 16)
     err_v = (x - dequantize_values(vc, vs, vz, bits, 16)).abs()
     assert (err_v <= vs.repeat_interleave(16, dim=3) / 2 + 1e-5).all()
-    # relative RMS error against the data range: ~ 1 / (2^bits - 1) / sqrt(12) per element
-    rel = err_v.pow(2).mean().sqrt() / (x.amax() - x.amin())
-    assert rel < 1.0 / (2**bits - 1)
+    # uniform rounding: the error is uniform on [-scale/2, scale/2], so its RMS is scale/sqrt(12)
+    # (a dequantize that returned zeros, or the wrong bit width, is far from that)
+    for err, scale, dim in ((err_k, ks, 2), (err_v, vs, 3)):
+        ratio = err.pow(2).mean().sqrt() / (scale.repeat_interleave(16, dim=dim).pow(2).mean().sqrt() / 12**0.5)
+        assert 0.8 < float(ratio) < 1.2, f"{bits} bits: error RMS is {float(ratio):.2f} x scale/sqrt(12)"
+
+
+def test_error_halves_with_every_extra_bit():
+    """Compares bit widths: one more bit halves the step (range / (2^bits - 1)), so the RMS
+    error of 3 bits is 3/7 of 2 bits', of 4 bits 7/15 of 3 bits'; 8 bits is ~1/85 of 2 bits'."""
+    x = torch.randn(2, 3, 64, 32, generator=torch.Generator().manual_seed(1)) * 3
+    rms = {}
+    for bits in (2, 3, 4, 8):
+        vc, vs, vz = quantize_values(x, bits, 16)
+        rms[bits] = float((x - dequantize_values(vc, vs, vz, bits, 16)).pow(2).mean().sqrt())
+    for lo, hi in ((2, 3), (3, 4), (2, 8)):
+        expected = (2**lo - 1) / (2**hi - 1)
+        assert rms[hi] / rms[lo] == pytest.approx(expected, rel=0.15), (lo, hi, rms)
 
 
 def _feed(runner, cache, lens_per_step, seed=0):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -37,6 +38,13 @@ def requests():
         ScoreRequest(traj([]), cand("First step: 48 / 2 = 24.\n\n", "helper")),
         ScoreRequest(traj(STEPS[:1], "p1"), cand("  \n\n", "helper", 1)),  # empty after normalisation
     ]
+
+
+# what each request of requests() is scored on, written out by hand (not by the code under test)
+S1, S2 = "In May she sold 48 / 2 = 24 clips.", "Altogether she sold 48 + 24 = 72 clips."
+EXPECTED_STEPS = [[S1, S2, "The answer is \\boxed{72}."], [S1, S2, "She sold 1 clip."], [S1, S2, "Step: 2 + 2 = 5"],
+                  ["First step: 48 / 2 = 24."], [S1]]
+AGGREGATE = {"last": lambda xs: xs[-1], "min": min, "prod": math.prod, "mean": lambda xs: sum(xs) / len(xs)}
 
 
 # --------------------------------------------------------------------------- helpers
@@ -142,9 +150,8 @@ def test_qwen_prm_batched_scores_match_a_manual_forward(tmp_path):
         scorer = prm_scorer(tmp_path, aggregate=how, batch_tokens=300)  # several chunks
         tok = scorer.format.tokenizer  # as reloaded from the checkpoint directory
         got = scorer.score(reqs)
-        for r, g in zip(reqs, got):
-            steps, _ = steps_for(r.trajectory, r.candidate)
-            want = aggregate(manual_qwen(model, tok, steps), how)
+        for steps, g in zip(EXPECTED_STEPS, got):
+            want = AGGREGATE[how](manual_qwen(model, tok, steps))
             assert g == pytest.approx(want, abs=1e-5), how
     per_step = scorer.step_scores([QUESTION], [["x = 1.", "y = 2."]])[0]
     assert len(per_step) == 2 and len(set(round(s, 6) for s in got)) > 2  # scores differ by input
@@ -209,13 +216,18 @@ def test_math_shepherd_scores_match_a_manual_forward():
     scorer = shepherd_scorer(runner, aggregate="min", batch_tokens=200)
     reqs = requests()
     got = scorer.score(reqs)
-    fmt = scorer.format
-    for r, g in zip(reqs, got):
-        steps, _ = steps_for(r.trajectory, r.candidate)
-        ids, positions = fmt.build(QUESTION, steps)
+    tok = runner.tokenizer
+    plus, minus = tok("+ -", add_special_tokens=False)["input_ids"] if len(tok("+ -", add_special_tokens=False)[
+        "input_ids"]) == 2 else [tok(x, add_special_tokens=False)["input_ids"][-1] for x in "+-"]
+    for steps, g in zip(EXPECTED_STEPS, got):
+        # the Math-Shepherd format by hand: question, space, each step + " ки", one per line
+        text = QUESTION + " " + "\n".join(x + " ки" for x in steps)
+        enc = tok(text, add_special_tokens=True, return_offsets_mapping=True)
+        ends = [m.end() - 1 for m in re.finditer(" ки", text)]
+        positions = [max(j for j, (a, b) in enumerate(enc["offset_mapping"]) if a <= e < b) for e in ends]
         with torch.no_grad():
-            logits = runner.model(torch.tensor([ids])).logits[0]
-        p_plus = [float(torch.softmax(logits[p, fmt.label_ids], -1)[0]) for p in positions]
+            logits = runner.model(torch.tensor([enc["input_ids"]])).logits[0]
+        p_plus = [float(torch.softmax(logits[p, [plus, minus]], -1)[0]) for p in positions]
         assert g == pytest.approx(min(p_plus), abs=1e-5)
 
 
@@ -249,9 +261,9 @@ def test_llm_judge_p_yes_matches_a_manual_computation():
     assert "(no steps yet)" in judge_messages("q", [], "x")[1]["content"]
 
 
-def test_llm_judge_only_aggregates_last():
+def test_llm_judge_has_no_aggregate():
     with pytest.raises(Exception):
-        LLMJudgeScorer.Params(model="judge", aggregate="min")
+        LLMJudgeScorer.Params(model="judge", aggregate="last")
 
 
 # --------------------------------------------------------------------------- can_score

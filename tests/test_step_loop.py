@@ -62,15 +62,30 @@ def greedy_reference(engine, prompt, max_new):
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama", "mha"])
-@pytest.mark.parametrize("evictor", ["none", "random-large-budget"])
-def test_greedy_base_equals_generate(arch, evictor):
+@pytest.mark.parametrize("evictor", ["none", "random-large-budget", "random-small-budget"])
+def test_greedy_base_equals_generate(arch, evictor, monkeypatch):
+    """Exactness: full KV, and an evicting cache whose budget exceeds the sequence (its bounded
+    storage, never compacted), reproduce `generate`. The small-budget case is the control: it
+    must compact, and eviction must then change the text (else this test could not fail)."""
+    from kvflow.backends.hf.cache import BudgetedCache
+
+    compactions = []
+    original = BudgetedCache.compact
+    monkeypatch.setattr(BudgetedCache, "compact", lambda self, rows: (compactions.append(len(rows)),
+                                                                      original(self, rows))[1])
     runner = tiny_runner(arch)
-    ev = NoEviction(NoEviction.Params()) if evictor == "none" else RandomEvictor(RandomEvictor.Params(budget=400, buffer=16))
+    ev = {"none": NoEviction(NoEviction.Params()),
+          "random-large-budget": RandomEvictor(RandomEvictor.Params(budget=400, buffer=16)),
+          "random-small-budget": RandomEvictor(RandomEvictor.Params(budget=12, buffer=4, window=2))}[evictor]
     plan = make_plan([Proposer("base", runner, ev, spec())], max_tokens=60)
     trajs, done = run(plan, prompts())
     assert len(done) == 2
+    same = [t.text == greedy_reference(runner, t.prompt, 60) for t in trajs]
+    if evictor == "random-small-budget":
+        assert compactions and not all(same)
+        return
+    assert not compactions and all(same)
     for t in trajs:
-        assert t.text == greedy_reference(runner, t.prompt, 60)
         assert t.finish in ("eos", "cap_tokens")
         assert len(t.steps) >= 1
 

@@ -273,7 +273,7 @@ class Evictor:
         stats: Optional["_torch.Tensor"] = None,
     ) -> "_torch.Tensor":
         """Slots to keep: [rows, kv_heads, budget] int64, ascending (time order): the `budget`
-        highest scores, forced slots first; among equal scores the later slot is kept."""
+        highest scores, forced slots first; among equal scores the earlier slot is kept."""
         rows, kv_heads, n, _ = keys.shape
         budget = self.params.budget
         extra = {"stats": stats} if self.observes_attention else {}
@@ -286,11 +286,11 @@ class Evictor:
         always = (slot >= length - self.params.window) | (slot < n_protected.to(keys.device)[:, None])
         scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
         scores = scores.masked_fill((always & valid)[:, None, :], float("inf"))
-        # ties: the later slot wins. A stable sort over the slots in reverse time order makes
-        # the kept set a function of the scores alone (topk's tie order depends on the batch
-        # shape and the device); tied scores are common (key norms of a repeated token).
-        order = scores.flip(-1).sort(dim=-1, descending=True, stable=True).indices[..., :budget]
-        keep = (n - 1) - order  # [rows, kv_heads, budget]
+        # ties: the earlier slot wins. A stable sort makes the kept set a function of the scores
+        # alone (topk's tie order depends on the batch shape and the device); tied scores are
+        # common (key norms of a repeated token, SnapKV's max pooling). Earlier-first is what
+        # topk did on the CPU in kvflow's committed runs, so their kept sets stay as they were.
+        keep = scores.sort(dim=-1, descending=True, stable=True).indices[..., :budget]  # [rows, kv_heads, budget]
         return keep.sort(dim=-1).values
 
 

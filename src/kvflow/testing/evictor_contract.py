@@ -23,7 +23,7 @@ What is checked, for bounded evictors (for `bounded = False` ones only what appl
 - cache bound: the resident length never exceeds `budget + buffer` (the peak, during the
   forward that triggers a compaction), is exactly `budget` right after a compaction, and
   the preallocated storage never grows;
-- ties: equal scores keep the later slot, alone and batched alike (a repeated token's keys);
+- ties: equal scores keep the earlier slot, alone and batched alike (a repeated token's keys);
 - `select()`: exactly `budget` slots per (row, KV head), strictly ascending (time order, no
   duplicates), inside the row, the recent window and the protected prompt always among them,
   for every architecture (GQA 2 and 3 KV heads, MHA), rows of different lengths, float32
@@ -164,7 +164,7 @@ class EvictorContract(ComponentContract):
     def test_select_is_tie_stable(self, evictor_factory, arch):
         """A repeated token gives equal keys, values and queries, so a deterministic method's
         scores tie: the kept slots must then follow kvflow's rule (among equal scores the
-        later slot wins) and be the same for a row alone as in a batch of other rows."""
+        earlier slot wins) and be the same for a row alone as in a batch of other rows."""
         import torch
 
         ev = self.make(evictor_factory)
@@ -191,14 +191,16 @@ class EvictorContract(ComponentContract):
         alone, batched = keep_of(slice(0, 1)), keep_of(slice(0, rows))[:1]
         assert torch.equal(alone, batched), (
             "tied scores kept different slots alone and in a batch: break ties by slot (kvflow's rule: "
-            "the later slot wins), not by topk's order, or let the base class Evictor.select() choose")
+            "the earlier slot wins), not by topk's order, or let the base class Evictor.select() choose")
         gens = [torch.Generator().manual_seed(5)]
         extra = {"stats": stats[:1]} if ev.observes_attention else {}
         scores = ev.score(keys[:1], values[:1], queries[:1] if queries is not None else None, layer_idx=0,
                           lengths=lengths[:1], n_protected=n_protected[:1], generators=gens, **extra).float()
-        if bool((scores == scores[..., :1]).all()):  # every slot ties: the newest `budget` are kept
-            expected = torch.arange(n - budget, n).expand(1, kv_heads, budget)
-            assert torch.equal(alone, expected), f"tied scores must keep the latest slots; kept {alone[0, 0].tolist()}"
+        if bool((scores == scores[..., :1]).all()):  # every slot ties: the window, then the earliest
+            window = ev.params.window
+            expected = torch.tensor(list(range(budget - window)) + list(range(n - window, n))).expand(1, kv_heads, budget)
+            assert torch.equal(alone, expected), (
+                f"tied scores must keep the earliest slots (besides the window); kept {alone[0, 0].tolist()}")
 
     @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
     @pytest.mark.parametrize("protect", [False, True])
