@@ -20,6 +20,7 @@ so `--help`, `validate`, `ls` and `plugins` stay fast.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -27,6 +28,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Iterator, List, Optional
 
+import click
 import typer
 
 import kvflow
@@ -63,6 +65,39 @@ def _errors(interrupted: str = "kvflow: interrupted") -> Iterator[None]:
     except KeyboardInterrupt:
         _err(interrupted)
         raise typer.Exit(EXIT_INTERRUPTED) from None
+    except (typer.Exit, typer.Abort, SystemExit, click.ClickException):
+        raise
+    except Exception as e:  # a bug, or an input no check caught: a message, and the traceback on disk
+        path = _save_traceback(e)
+        _err(f"kvflow: internal error: {type(e).__name__}: {e}")
+        _err(f"kvflow: the traceback is in {path}; please include it in a bug report" if path else
+             "kvflow: (the traceback could not be saved)")
+        raise typer.Exit(EXIT_INTERNAL_ERROR) from None
+
+
+EXIT_INTERNAL_ERROR = 1
+
+
+def _save_traceback(exc: BaseException) -> Optional[Path]:
+    """Write the exception's traceback under the kvflow cache (or the temp dir); its path."""
+    import tempfile
+    import time as _time
+    import traceback
+
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    name = f"kvflow-traceback-{_time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.txt"
+    for folder in (os.environ.get("KVFLOW_CACHE"), os.path.join(os.path.expanduser("~"), ".cache", "kvflow"),
+                   tempfile.gettempdir()):
+        if not folder:
+            continue
+        try:
+            path = Path(folder) / "tracebacks" / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(" ".join(sys.argv) + "\n\n" + text, encoding="utf-8")
+            return path
+        except OSError:
+            continue
+    return None
 
 
 def _registry():
@@ -354,6 +389,8 @@ def report(
                                                 help="Oracle analysis: the full-KV helper run."),
     oracle_full: Optional[str] = typer.Option(None, "--oracle-full", metavar="DIR",
                                               help="Oracle analysis: the full-KV base run (for the gap recovered)."),
+    strict: bool = typer.Option(False, "--strict", help="Refuse (exit 2) instead of skipping a directory that "
+                                "cannot be read."),
 ) -> None:
     """Tables (markdown, CSV) and plots (PNG) from results directories.
 
@@ -372,7 +409,8 @@ def report(
 
     with _errors():
         report_command(dirs or [], out=out, allow_mixed=allow_mixed, oracle_evicted=oracle_evicted,
-                       oracle_helper=oracle_helper, oracle_full=oracle_full, as_csv=as_csv, echo=typer.echo)
+                       oracle_helper=oracle_helper, oracle_full=oracle_full, as_csv=as_csv, strict=strict,
+                       echo=typer.echo)
 
 
 @app.command()

@@ -378,10 +378,24 @@ def plot(rows: list[dict], path: Path) -> Path:
     return path
 
 
+def check_output_file(path: Path, flag: str) -> None:
+    """An output file can be written at `path` (its folder exists and is writable, and it is not
+    a directory), or a UserError saying why: checked before any work."""
+    if path.is_dir():
+        raise UserError(f"{flag} {path}: is a directory", hint="give a file name, e.g. cost.png")
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise UserError(f"{flag} {path}: no such directory: {folder}")
+    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UserError(f"{flag} {path}: not writable", hint="pick a path you can write to")
+
+
 def cost_command(models: Sequence[str], *, budget: int, buffer: int, lengths: str, helper: Optional[str],
                  png: Optional[Path], bytes_per_elem: float = 2, as_json: bool = False, echo=print) -> list[dict]:
     if budget < 1 or buffer < 0:
         raise UserError("--budget must be ≥ 1 and --buffer ≥ 0")
+    if png is not None:
+        check_output_file(Path(png), "--png")
     ctx = parse_lengths(lengths)
     problems = []
     bases = []

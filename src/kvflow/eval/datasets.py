@@ -92,17 +92,26 @@ def dataset_path(name: str) -> Path:
 def _read_jsonl(path: Path) -> list[tuple[int, dict]]:
     """(line number, record) for every non-blank line; a bad line names file and line."""
     out = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DatasetError(f"{path}:{lineno}: invalid JSON: {e}") from None
-            if not isinstance(rec, dict):
-                raise DatasetError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
-            out.append((lineno, rec))
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise DatasetError(f"{path}: cannot read: {e.strerror or e}") from None
+    for lineno, raw in enumerate(data.split(b"\n"), 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DatasetError(f"{path}:{lineno}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DatasetError(f"{path}:{lineno}: invalid JSON: {e}") from None
+        if not isinstance(rec, dict):
+            raise DatasetError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
+        out.append((lineno, rec))
+    if not out:
+        raise DatasetError(f"{path}: no problems (the file is empty)")
     return out
 
 
@@ -156,6 +165,7 @@ def load_jsonl_problems(
     path = Path(path)
     prefix = name if name is not None else path.stem
     problems = []
+    first_line: dict[str, int] = {}
     for i, (lineno, rec) in enumerate(_read_jsonl(path)):
         where = f"{path}:{lineno}"
         for f in (question_field, answer_field) + ((id_field,) if id_field else ()):
@@ -165,6 +175,12 @@ def load_jsonl_problems(
         if not isinstance(question, str):
             raise DatasetError(f"{where}: {question_field!r} must be a string, got {type(question).__name__}")
         key = rec[id_field] if id_field else i
+        pid = f"{prefix}/{key}"
+        if pid in first_line:  # results are keyed by id: two problems cannot share one
+            raise DatasetError(f"{where}: duplicate id {key!r} (also on line {first_line[pid]})")
+        first_line[pid] = lineno
         meta = {k: v for k, v in rec.items() if k != question_field}
-        problems.append(Problem(id=f"{prefix}/{key}", question=question, gold=_gold_text(rec[answer_field], where), meta=meta))
+        problems.append(Problem(id=pid, question=question, gold=_gold_text(rec[answer_field], where), meta=meta))
+    if not any(p.gold.strip() for p in problems):
+        raise DatasetError(f"{path}: every {answer_field!r} is empty: nothing to grade against")
     return _select(problems, limit, offset, shuffle, seed)

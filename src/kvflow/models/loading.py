@@ -91,15 +91,52 @@ def _source_available(src: ModelSource, revision: Optional[str]) -> Optional[str
     if src.kind == "catalog":
         return None  # comes from PyPI, which every machine of this project reaches
     if src.kind == "gguf":
-        return None if Path(src.ref).is_file() else f"GGUF file not found: {src.ref}"
+        return _gguf_problem(Path(src.ref)) if Path(src.ref).is_file() else f"GGUF file not found: {src.ref}"
     if src.kind == "dir":
         d = Path(src.ref)
         if not d.is_dir():
             return f"model directory not found: {src.ref}"
         if src.gguf_file:
-            return None if (d / src.gguf_file).is_file() else f"{src.gguf_file} not found in {d}"
-        return None if (d / "config.json").is_file() else f"no config.json in {d}"
+            return _gguf_problem(d / src.gguf_file) if (d / src.gguf_file).is_file() else f"{src.gguf_file} not found in {d}"
+        return _model_dir_problem(d)
     return _hub_available(src.ref, src.gguf_file or "config.json", revision)
+
+
+_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def _model_dir_problem(d: Path) -> Optional[str]:
+    """Why a transformers model directory cannot load (read, not loaded), or None."""
+    cfg = d / "config.json"
+    if not cfg.is_file():
+        return f"no config.json in {d}"
+    try:
+        data = json.loads(cfg.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        return f"{cfg}: not valid JSON ({e})"
+    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
+        return f"{cfg}: not a transformers model config (no `model_type`)"
+    if not any((d / w).is_file() for w in _WEIGHTS) and not any(d.glob("*.safetensors")):
+        return f"no weights in {d} (expected one of {', '.join(_WEIGHTS)})"
+    return None
+
+
+def _gguf_problem(path: Path) -> Optional[str]:
+    """Why a GGUF file cannot load (its header and tensor table are read, not the weights)."""
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        return f"{path}: cannot read: {e.strerror or e}"
+    if magic != b"GGUF":
+        return f"{path}: not a GGUF file (its first bytes are {magic!r})"
+    try:
+        from gguf import GGUFReader
+
+        GGUFReader(str(path))  # memory-mapped: checks that every tensor lies inside the file
+    except Exception as e:  # the reader raises ValueError/IndexError/struct errors on a cut file
+        return f"{path}: a damaged or truncated GGUF file ({type(e).__name__}: {e})"
+    return None
 
 
 def check_available(model_cfg: Any) -> Optional[str]:

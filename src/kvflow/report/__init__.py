@@ -36,8 +36,23 @@ from kvflow.report import tables as T
 __all__ = ["Run", "build_tables", "load_runs", "report_command"]
 
 
-def load_runs(args: Sequence[str]) -> list[Run]:
-    return [load_run(p) for p in expand_dirs(args)]
+def load_runs(args: Sequence[str], *, strict: bool = False) -> list[Run]:
+    """The runs of the given directories. One that cannot be read is skipped with a warning
+    naming it and why (with `strict`, every such problem is an error instead)."""
+    runs, problems = [], []
+    for path in expand_dirs(args):
+        try:
+            runs.append(load_run(path))
+        except UserError as e:
+            if strict:
+                problems.extend(e.problems)
+                continue
+            print(f"kvflow: skipping {path}: {e.problems[0].format() if e.problems else e}", file=sys.stderr)
+    if problems:
+        raise UserError(problems)
+    if args and not runs:
+        raise UserError("no readable results directory among the arguments", hint="see the warnings above")
+    return runs
 
 
 def build_tables(runs: Sequence[Run], oracle: Optional[T.Oracle] = None) -> list[T.Table]:
@@ -59,6 +74,7 @@ def report_command(
     oracle_helper: Optional[str] = None,
     oracle_full: Optional[str] = None,
     as_csv: bool = False,
+    strict: bool = False,
     echo: Callable[[str], None] = print,
 ) -> list[T.Table]:
     if bool(oracle_evicted) != bool(oracle_helper):
@@ -66,10 +82,12 @@ def report_command(
                         hint="--oracle-full DIR is optional (it adds the gap recovered)")
     if oracle_full and not oracle_evicted:
         raise UserError("--oracle-full needs --oracle-evicted and --oracle-helper")
+    if out is not None:
+        check_output_dir(Path(out), "--out")  # before reading anything
     special = [d for d in (oracle_evicted, oracle_helper, oracle_full) if d]
     if not dirs and not special:
         raise UserError("no results directories given", hint="kvflow report results/*")
-    runs = load_runs(dirs) if dirs else []
+    runs = load_runs(dirs, strict=strict) if dirs else []
     by_path = {r.path: r for r in runs}
 
     def one(arg: str, flag: str) -> Run:
@@ -103,6 +121,18 @@ def report_command(
     return tables
 
 
+def check_output_dir(out: Path, flag: str) -> None:
+    """Create `out` (a directory for outputs) or say clearly why it cannot be (exit 2)."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".kvflow-write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"{flag} {out}: cannot write there: {e.strerror or e}",
+                        hint="pick a directory you can write to") from None
+
+
 def render_markdown(runs: Sequence[Run], tables: Sequence[T.Table], plots: Sequence[Path] = ()) -> str:
     datasets = sorted({r.dataset_text() for r in runs})
     parts = ["# kvflow report", "", f"{len(runs)} run(s); problems: {'; '.join(datasets)}", ""]
@@ -116,7 +146,7 @@ def render_markdown(runs: Sequence[Run], tables: Sequence[T.Table], plots: Seque
 def write_outputs(out: Path, runs: Sequence[Run], tables: Sequence[T.Table]) -> list[Path]:
     from kvflow.report import plots as P
 
-    out.mkdir(parents=True, exist_ok=True)
+    check_output_dir(out, "--out")
     written: list[Path] = []
     for t in tables:
         path = out / f"{t.name}.csv"

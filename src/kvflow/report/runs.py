@@ -23,7 +23,7 @@ from typing import Any, Iterable, Optional
 import yaml
 
 from kvflow.errors import ConfigProblem, UserError
-from kvflow.runtime.results import read_samples as _read_samples
+from kvflow.runtime.results import read_json_object, read_samples as _read_samples
 
 CONFIG, MANIFEST, SAMPLES, METRICS = "config.resolved.yaml", "manifest.json", "samples.jsonl", "metrics.json"
 
@@ -159,17 +159,25 @@ def load_run(path: Path) -> Run:
         raise UserError(f"{path}: not a results directory (no {CONFIG})",
                         hint="pass directories written by `kvflow run` (results/<name>__<hash>/)")
     try:
-        config = yaml.safe_load((path / CONFIG).read_text()) or {}
-        manifest = json.loads((path / MANIFEST).read_text()) if (path / MANIFEST).is_file() else {}
-        metrics = json.loads((path / METRICS).read_text()) if (path / METRICS).is_file() else None
-    except (OSError, ValueError, yaml.YAMLError) as e:
-        raise UserError(f"{path}: cannot read: {e}") from None
+        config = yaml.safe_load((path / CONFIG).read_text(encoding="utf-8")) or {}
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise UserError([ConfigProblem(str(path / CONFIG), 0, "config", f"cannot read: {e}")]) from None
+    if not isinstance(config, dict) or not isinstance(config.get("proposers", {}), dict):
+        raise UserError([ConfigProblem(str(path / CONFIG), 0, "config", "not a resolved pipeline (a mapping with "
+                                       f"`proposers`), but a YAML {type(config).__name__}")])
+    manifest = read_json_object(path / MANIFEST, "manifest") or {}
+    metrics = read_json_object(path / METRICS, "metrics")
     records = read_samples(path / SAMPLES)
     proposers = list(config.get("proposers") or {})
     complete = metrics is not None
-    if metrics is None or metrics.get("n_problems", 0) != len(records):
+    if metrics is None or metrics.get("n_problems", 0) != len(records) or not _metrics_shape_ok(metrics):
         metrics = _metrics(records, proposers, config)
     return Run(path, config, manifest, records, metrics, complete, proposers)
+
+
+def _metrics_shape_ok(metrics: dict) -> bool:
+    """metrics.json has what the tables read (else it is recomputed from the records)."""
+    return isinstance(metrics.get("accuracy"), (int, float)) and isinstance(metrics.get("tokens_generated"), dict)
 
 
 def _metrics(records: list[dict], proposers: list[str], config: dict) -> dict:

@@ -55,7 +55,14 @@ def build_plan(loaded: LoadedPipeline, registry, on_load: Callable[[str], None] 
         if key not in engines:
             on_load(key)
             backend = registry.get("backends", pipe.models[key].backend)
-            engines[key] = backend.load(pipe.models[key])
+            try:
+                engines[key] = backend.load(pipe.models[key])
+            except (UserError, KeyboardInterrupt, MemoryError):
+                raise
+            except Exception as e:  # what the checks could not see: the loader's own words, located
+                raise UserError(loaded.problem(f"models.{key}.id", f"model {pipe.models[key].id!r} could not be "
+                                               f"loaded: {type(e).__name__}: {e}",
+                                               "check the checkpoint's files (config.json, weights, tokenizer)")) from e
         return engines[key]
 
     proposers = []

@@ -18,9 +18,10 @@ import shutil
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Union
 
 import yaml
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
 from kvflow.errors import ConfigProblem, UserError
 
@@ -40,6 +41,11 @@ class ResultsDir:
             shutil.rmtree(self.path)
 
     def prepare(self, resolved: dict, manifest: dict) -> None:
+        """Create the directory (or open it to resume): config and a fresh manifest, which
+        keeps what earlier sessions of the run measured (decode occupancy)."""
+        previous = self.manifest() if (self.path / MANIFEST).exists() else {}
+        if previous.get("occupancy"):
+            manifest = {**manifest, "occupancy": previous["occupancy"]}
         self.path.mkdir(parents=True, exist_ok=True)
         _atomic_write(self.path / CONFIG, yaml.safe_dump(resolved, sort_keys=False, allow_unicode=True))
         _atomic_write(self.path / MANIFEST, json.dumps(manifest, indent=2))
@@ -54,9 +60,22 @@ class ResultsDir:
         return read_samples(self.samples, repair=True)
 
     def append(self, record: dict) -> None:
-        line = json.dumps(record, ensure_ascii=False) + "\n"
-        with open(self.samples, "a", encoding="utf-8") as f:
-            f.write(line)
+        """Append one record, whole or not at all: a failed write (disk full) is cut back off
+        the file, and the run stops with a message; it resumes from the records before it."""
+        line = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+        size = self.samples.stat().st_size if self.samples.exists() else 0
+        try:
+            with open(self.samples, "ab") as f:
+                f.write(line)
+                f.flush()
+        except OSError as e:
+            try:
+                os.truncate(self.samples, size)
+            except OSError:
+                pass  # ResultsDir.load cuts a torn last line anyway
+            raise UserError([ConfigProblem(str(self.samples), 0, "samples", f"cannot write a record: "
+                                           f"{e.strerror or e}", "free space (or fix permissions) and run the "
+                                           "same command again: finished problems are kept")]) from None
             f.flush()
             os.fsync(f.fileno())
 
@@ -64,12 +83,69 @@ class ResultsDir:
         _atomic_write(self.path / METRICS, json.dumps(metrics, indent=2))
 
     def manifest(self) -> dict:
-        path = self.path / MANIFEST
-        return json.loads(path.read_text()) if path.exists() else {}
+        return read_json_object(self.path / MANIFEST, "manifest") or {}
 
     def metrics(self) -> Optional[dict]:
-        path = self.path / METRICS
-        return json.loads(path.read_text()) if path.exists() else None
+        return read_json_object(self.path / METRICS, "metrics")
+
+
+def read_json_object(path: Path, what: str) -> Optional[dict]:
+    """A results directory's JSON object file (manifest, metrics), None if absent; anything
+    else there is a UserError naming the file."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    hint = {"metrics": "delete it: `kvflow run` recomputes metrics.json from samples.jsonl"}.get(
+        what, "rerun with --force to start the run afresh")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise UserError([ConfigProblem(str(path), 0, what, f"cannot read {path.name}: {e}", hint)]) from None
+    if not isinstance(data, dict):
+        raise UserError([ConfigProblem(str(path), 0, what, f"{path.name} holds a JSON {type(data).__name__}, "
+                                                           "not an object", hint)])
+    return data
+
+
+Number = Union[StrictInt, StrictFloat]
+
+
+class _StepRecord(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    text: StrictStr
+    source: StrictStr
+    score: Optional[Number] = None
+    n_tokens: StrictInt
+
+
+class SampleRecord(BaseModel):
+    """The fields of a samples.jsonl record that kvflow reads back (more may be present)."""
+
+    model_config = ConfigDict(extra="allow")
+    id: StrictStr
+    prediction: Optional[StrictStr]
+    correct: StrictBool
+    output: StrictStr
+    steps: list[_StepRecord]
+    step_counts: dict[str, StrictInt]
+    output_tokens: StrictInt
+    tokens_generated: dict[str, StrictInt]
+    candidates: dict[str, StrictInt]
+    pruned: dict[str, StrictInt]
+    finish: Optional[StrictStr]
+    degenerate: StrictBool
+    seconds: Number
+
+
+def _record_problem(rec: dict) -> Optional[str]:
+    try:
+        SampleRecord.model_validate(rec)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err["loc"])
+        return f"record {rec.get('id')!r}: field {where!r}: {err['msg'].lower()}" + (
+            f" ({len(e.errors()) - 1} more)" if len(e.errors()) > 1 else "")
+    return None
 
 
 def read_samples(path: Path, *, repair: bool = False) -> list[dict]:
@@ -80,14 +156,18 @@ def read_samples(path: Path, *, repair: bool = False) -> list[dict]:
     path = Path(path)
     if not path.exists():
         return []
-    lines = path.read_bytes().split(b"\n")
+    try:
+        lines = path.read_bytes().split(b"\n")
+    except OSError as e:
+        raise UserError([ConfigProblem(str(path), 0, "samples", f"cannot read samples.jsonl: {e.strerror or e}",
+                                       "rerun with --force to start the run afresh")]) from None
     records, good_end = [], 0
     for i, line in enumerate(lines):
         last = i == len(lines) - 1
         if line.strip():
             try:
                 rec = json.loads(line)
-                if not isinstance(rec, dict) or "id" not in rec:
+                if not isinstance(rec, dict):
                     raise ValueError("not a sample record")
             except ValueError as exc:
                 if not last:
@@ -99,6 +179,10 @@ def read_samples(path: Path, *, repair: bool = False) -> list[dict]:
                     with open(path, "r+b") as f:
                         f.truncate(good_end)
                 break
+            problem = _record_problem(rec)
+            if problem:  # a complete JSON object of the wrong shape is not a torn write
+                raise UserError([ConfigProblem(str(path), i + 1, "samples", problem,
+                                               "remove or fix the line, or rerun with --force")])
             records.append(rec)
             if last and repair:
                 with open(path, "ab") as f:
@@ -113,9 +197,15 @@ def read_samples(path: Path, *, repair: bool = False) -> list[dict]:
 
 
 def _atomic_write(path: Path, text: str) -> None:
+    """Write whole or not at all: a failed write (disk full) leaves neither a partial file
+    nor a `*.tmp` behind, and the previous contents stay."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 # --------------------------------------------------------------------------- metrics

@@ -23,7 +23,7 @@ from typing import Optional
 
 import kvflow
 from kvflow.config.validate import LoadedPipeline
-from kvflow.errors import UserError
+from kvflow.errors import ConfigProblem, UserError
 from kvflow.runtime import compile as compile_
 from kvflow.runtime.results import ResultsDir, compute_metrics
 from kvflow.runtime.summary import print_summary
@@ -49,11 +49,56 @@ def load_dataset(loaded: LoadedPipeline):
         raise UserError(loaded.problem("dataset.path" if ds.path else "dataset.name", str(exc))) from None
 
 
+def check_output(loaded: LoadedPipeline) -> None:
+    """`run.output` is (or can become) a directory: no part of it is a file."""
+    out = Path(loaded.pipeline.run.output)
+    for p in [out, *out.parents]:
+        if p.exists():
+            if not p.is_dir():
+                raise UserError(loaded.problem("run.output", f"{out}: {p} is a file, not a directory",
+                                               "point run.output at a directory (it is created if missing)"))
+            break
+
+
+def check_same_pipeline(loaded: LoadedPipeline, store: ResultsDir) -> None:
+    """An existing results directory at this run's path holds this very pipeline."""
+    import yaml
+
+    from kvflow.config.validate import config_hash
+
+    cfg = store.path / "config.resolved.yaml"
+    if not cfg.exists():
+        if store.samples.exists():
+            raise UserError(loaded.problem("run.output", f"{store.path} has samples.jsonl but no "
+                                           "config.resolved.yaml: it was not written by this pipeline",
+                                           "move it away or rerun with --force"))
+        return
+    try:
+        data = yaml.safe_load(cfg.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise UserError(loaded.problem("run.output", f"{cfg}: cannot read: {e}", "rerun with --force")) from None
+    if not isinstance(data, dict) or config_hash(data) != loaded.hash:
+        raise UserError(loaded.problem("run.output", f"{store.path} holds the results of a different pipeline "
+                                       f"(its config.resolved.yaml does not hash to {loaded.hash})",
+                                       "move it away, or rerun with --force to replace it"))
+
+
+def _check_done_in_dataset(store: ResultsDir, done: list[dict], problems) -> None:
+    ids = {p.id for p in problems}
+    strays = [r["id"] for r in done if r["id"] not in ids]
+    if strays:
+        raise UserError([ConfigProblem(str(store.samples), 0, "samples", f"records for problems not in this run's "
+                                       f"dataset: {strays[:3]}", "rerun with --force")])
+
+
 def run_pipeline(loaded: LoadedPipeline, *, force: bool = False, registry=None, quiet: bool = False) -> int:
     from kvflow.registry import get_registry
 
     registry = registry or get_registry()
     pipe = loaded.pipeline
+    # everything that can be checked is checked before a results directory exists or a model
+    # loads: the output path, the models' files, the dataset, a previous run's directory
+    check_output(loaded)
     compile_.check_models(loaded, registry)
     problems = load_dataset(loaded)
     store = ResultsDir(results_path(loaded))
@@ -61,19 +106,23 @@ def run_pipeline(loaded: LoadedPipeline, *, force: bool = False, registry=None, 
     proposers = list(pipe.proposers)
     if force:
         store.reset()
+    check_same_pipeline(loaded, store)
     done = store.load()
-    if len(done) >= len(problems) and store.metrics() is not None:
+    metrics = store.metrics()
+    if len(done) >= len(problems) and metrics is not None:
         _say(quiet, f"already complete: {store.path} (use --force to rerun)")
         if not quiet:
-            print_summary(pipe.name, store.metrics(), store.path, proposers)
+            print_summary(pipe.name, metrics, store.path, proposers)
         return 0
+    _check_done_in_dataset(store, done, problems)
     done_ids = {r["id"] for r in done}
     todo = [p for p in problems if p.id not in done_ids]
     if done:
         _say(quiet, f"resuming {store.path}: {len(done)} done, {len(todo)} to go")
-    store.prepare(loaded.resolved, _manifest(loaded, registry))
     if todo:
         _decode(loaded, registry, store, todo, quiet)
+    else:
+        store.prepare(loaded.resolved, _manifest(loaded, registry))
     records = store.load()
     metrics = compute_metrics(records, proposers, owners, baselines=pipe.run.baselines,
                               occupancy=store.manifest().get("occupancy"))
@@ -109,11 +158,13 @@ def _decode_with(loaded: LoadedPipeline, registry, store: ResultsDir, todo, quie
 
     pipe = loaded.pipeline
     torch.manual_seed(pipe.run.seed)
-    plan, _ = compile_.build_plan(loaded, registry, on_load=lambda key: _say(
+    plan, engines = compile_.build_plan(loaded, registry, on_load=lambda key: _say(
         quiet, f"loading models.{key}: {pipe.models[key].id}"))
     base = plan.proposers[0].engine
+    # the results directory is created only now that every model has loaded
+    store.prepare(loaded.resolved, _manifest(loaded, registry))
     store.update_manifest(device=base.device, threads=torch.get_num_threads(), kv_memory=compile_.kv_memory(plan),
-                          engines={k: e.backend for k, e in _.items()})
+                          engines={k: e.backend for k, e in engines.items()})
     by_id = {p.id: p for p in todo}
     occupancy = Occupancy()
     with Grader(timeout=pipe.run.grade_timeout) as grader, Progress(len(todo), enabled=not quiet) as progress:
