@@ -254,8 +254,17 @@ def explain_lines(loaded: "LoadedPipeline", registry: Optional["Registry"] = Non
     out.append(f"dataset: {ds.name} ({where}), prompt {ds.prompt}, offset {ds.offset}, "
                f"limit {ds.limit if ds.limit is not None else 'none (all problems)'}{order}")
     r = pipe.run
-    out.append(f"run: seed={r.seed}, batch_problems={r.batch_problems}, output={r.output}/"
-               f"{pipe.name}__{loaded.hash}")
+    out.append(f"run: seed={r.seed}, batch_problems={r.batch_problems}, live_problems="
+               f"{r.live_problems or 2 * r.batch_problems}, output={r.output}/{pipe.name}__{loaded.hash}")
+    engines: dict[str, list[str]] = {}
+    for pname, prop in pipe.proposers.items():
+        m = pipe.models.get(prop.model)
+        engines.setdefault(f"{prop.model} [{m.backend if m else '?'}]", []).append(pname)
+    out.append("engines (one per model; proposers on one model decode in one forward per token; each model "
+               f"decodes at most batch_problems x its candidates per problem rows):")
+    for key, names in engines.items():
+        rows = r.batch_problems * sum(pipe.proposers[n].n for n in names)
+        out.append(f"  {key}: {', '.join(names)} (up to {rows} rows per forward)")
 
     out.append("")
     out.append("KV memory per sequence (estimate; K and V of every layer, at the model's dtype):")

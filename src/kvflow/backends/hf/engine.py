@@ -67,9 +67,15 @@ class HFRunner:
         return text
 
     def pieces(self) -> list[str]:
-        """`piece()` of every id the LM head can produce (ids past the tokenizer's: "")."""
+        """`piece()` of every id the LM head can produce (ids past the tokenizer's: ""). A fast
+        tokenizer's Rust decoder does it in one call (what `decode` runs, without the Python
+        conversions that make a 150k vocabulary take a second); others decode id by id."""
         n = len(self.tokenizer)
-        texts = self.tokenizer.batch_decode([[i] for i in range(n)], skip_special_tokens=False)
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None and not getattr(self.tokenizer, "clean_up_tokenization_spaces", False):
+            texts = backend.decode_batch([[i] for i in range(n)], skip_special_tokens=False)
+        else:
+            texts = [self.piece(i) for i in range(n)]
         return texts + [""] * max(0, self.lm_head.out_features - n)
 
     # ------------------------------------------------------------------ caches
