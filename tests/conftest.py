@@ -36,6 +36,12 @@ def cli():
 
     from kvflow.cli import app
 
+    # transformers' logger binds its handler to the sys.stderr of its first use; inside a
+    # CliRunner that is a stream closed after the invocation, and a later warning then prints
+    # "--- Logging error ---" with a traceback. Bind it to the session's stderr first.
+    import transformers.utils.logging as hf_logging
+
+    hf_logging.get_logger("transformers")
     runner = CliRunner()
     return lambda *args, **kw: runner.invoke(app, [str(a) for a in args], **kw)
 

@@ -194,8 +194,18 @@ def test_check_available(tmp_path, monkeypatch):
     assert check_available(Cfg(f"catalog:{SMOL}")) is None
     assert "Did you mean" in check_available(Cfg("catalog:smol"))
     assert "GGUF file not found" in check_available(Cfg(str(tmp_path / "nope.gguf")))
-    (tmp_path / "ok.gguf").write_bytes(b"GGUF")
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(tmp_path / "ok.gguf"), "llama")
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
     assert check_available(Cfg(str(tmp_path / "ok.gguf"))) is None
+    (tmp_path / "cut.gguf").write_bytes(b"GGUF")  # a magic number and nothing else: truncated
+    assert "truncated GGUF" in check_available(Cfg(str(tmp_path / "cut.gguf")))
     assert "no config.json" in check_available(Cfg(str(tmp_path)))
     assert "not found in" in check_available(Cfg(str(tmp_path), gguf_file="other.gguf"))
     assert check_available(Cfg(str(tmp_path), gguf_file="ok.gguf")) is None

@@ -117,6 +117,7 @@ FAKE = textwrap.dedent('''
     from kvflow.runtime import compile as compile_, runner
 
     def fake_decode(loaded, registry, store, todo, quiet):
+        store.prepare(loaded.resolved, runner._manifest(loaded, registry))  # as _decode does once models load
         rng = random.Random()
         for p in todo:
             time.sleep(rng.uniform(0.05, 0.25))  # 40 problems outlast the longest kill timeout

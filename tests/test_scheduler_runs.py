@@ -101,3 +101,32 @@ def test_a_line_per_finished_problem_when_stderr_is_not_a_terminal(tmp_path, cli
     assert len(lines) == 3
     assert lines[-1].startswith("kvflow: [3/3] tiny/") and " steps, " in lines[-1] and " tokens, " in lines[-1]
     assert "acc " in lines[-1]
+
+
+def test_a_larger_limit_grows_the_run_and_a_smaller_one_reports_its_prefix(tmp_path, cli):
+    """dataset.limit is not part of the run's identity (its results directory): 2 -> 4 adds only
+    problems 2 and 3 to the same directory, with the records a fresh 4-problem run writes;
+    4 -> 1 reports on the first problem and writes nothing."""
+    path = tiny_pipeline(tmp_path / "grown", problems=4, n=2, extra={"dataset": {"limit": 2}})
+    first = cli("run", path)
+    assert first.exit_code == 0
+    (run_dir,) = (tmp_path / "grown" / "results").iterdir()
+    two = _records(run_dir)
+    assert sorted(two) == ["tiny/0", "tiny/1"]
+    grown = cli("run", path, "--set", "dataset.limit=4")
+    assert grown.exit_code == 0 and "2 done, 2 to go" in grown.stderr
+    assert [p.name for p in (tmp_path / "grown" / "results").iterdir()] == [run_dir.name]  # the same run
+    four = _records(run_dir)
+    assert sorted(four) == [f"tiny/{i}" for i in range(4)] and {k: four[k] for k in two} == two
+    import yaml
+
+    assert yaml.safe_load((run_dir / "config.resolved.yaml").read_text())["dataset"]["limit"] == 4
+    assert json.loads((run_dir / "metrics.json").read_text())["n_problems"] == 4
+    fresh = tiny_pipeline(tmp_path / "fresh", problems=4, n=2, extra={"dataset": {"limit": 4}})
+    assert cli("run", fresh).exit_code == 0
+    (fresh_dir,) = (tmp_path / "fresh" / "results").iterdir()
+    assert _records(fresh_dir) == four
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
+    prefix = cli("run", path, "--set", "dataset.limit=1")
+    assert prefix.exit_code == 0 and "over the first 1" in prefix.stderr and "problems" in prefix.stdout
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before

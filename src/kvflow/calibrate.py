@@ -36,7 +36,7 @@ from typing import Optional, Sequence
 import yaml
 
 from kvflow.errors import UserError
-from kvflow.runtime.results import CONFIG, SAMPLES, ResultsDir
+from kvflow.runtime.results import CONFIG, SAMPLES, read_samples
 
 #: direction a pruner kind flags in: "high" = stop when the signal exceeds the threshold
 DIRECTIONS = {"entropy": "high", "gzip": "low"}
@@ -163,7 +163,8 @@ def calibrate(results_dir: Path, *, bins: int = 40, out: Optional[Path] = None, 
     results_dir = Path(results_dir)
     if not (results_dir / SAMPLES).is_file():
         raise UserError(f"{results_dir}: no {SAMPLES} here", hint="pass a results directory written by `kvflow run`")
-    records = ResultsDir(results_dir).load()
+    # read-only, and only what calibration reads (ids and signal traces) must be there
+    records = read_samples(Path(results_dir) / SAMPLES, validate=False)
     config_file = results_dir / CONFIG
     resolved = yaml.safe_load(config_file.read_text()) if config_file.is_file() else {}
     reports = analyse(records, bins=bins, directions=directions, configured=configured_thresholds(resolved or {}))

@@ -78,9 +78,23 @@ class LoadedPipeline:
         return ConfigProblem(loc.file, loc.line, format_path(parts), message, hint)
 
 
+#: settings that say how many of the dataset's problems to run, how they are scheduled and
+#: where results go, not what any problem's result is: they are left out of the hash that
+#: names a results directory, so a larger `dataset.limit` (same seeded order) grows the same
+#: run and a different batch size resumes it
+NOT_HASHED = (("dataset", "limit"), ("run", "batch_problems"), ("run", "live_problems"), ("run", "threads"),
+              ("run", "output"))
+
+
 def config_hash(resolved: dict) -> str:
-    """Short (8 hex) sha256 of the canonical JSON of a resolved pipeline."""
-    text = json.dumps(resolved, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+    """Short (8 hex) sha256 of the canonical JSON of a resolved pipeline, without NOT_HASHED."""
+    data = dict(resolved)
+    for section, key in NOT_HASHED:
+        if isinstance(data.get(section), dict) and key in data[section]:
+            data[section] = {k: v for k, v in data[section].items() if k != key}
+            if not data[section]:
+                del data[section]
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:8]
 
 

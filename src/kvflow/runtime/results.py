@@ -107,31 +107,33 @@ def read_json_object(path: Path, what: str) -> Optional[dict]:
     return data
 
 
-Number = Union[StrictInt, StrictFloat]
+Number = Union[StrictInt, StrictFloat]  # counts are ints as kvflow writes them; means of them are not
 
 
 class _StepRecord(BaseModel):
     model_config = ConfigDict(extra="allow")
-    text: StrictStr
+    text: Optional[StrictStr] = None
     source: StrictStr
     score: Optional[Number] = None
-    n_tokens: StrictInt
+    n_tokens: Optional[StrictInt] = None
+    fallback: Optional[StrictBool] = None
 
 
 class SampleRecord(BaseModel):
-    """The fields of a samples.jsonl record that kvflow reads back (more may be present)."""
+    """A samples.jsonl record as kvflow reads it back: the fields metrics and reports are
+    computed from are required, the others optional; every one present is type-checked."""
 
     model_config = ConfigDict(extra="allow")
     id: StrictStr
-    prediction: Optional[StrictStr]
+    prediction: Optional[StrictStr] = None
     correct: StrictBool
-    output: StrictStr
+    output: Optional[StrictStr] = None
     steps: list[_StepRecord]
-    step_counts: dict[str, StrictInt]
-    output_tokens: StrictInt
-    tokens_generated: dict[str, StrictInt]
-    candidates: dict[str, StrictInt]
-    pruned: dict[str, StrictInt]
+    step_counts: dict[str, Number]
+    output_tokens: Number
+    tokens_generated: dict[str, Number]
+    candidates: dict[str, Number]
+    pruned: dict[str, Number]
     finish: Optional[StrictStr]
     degenerate: StrictBool
     seconds: Number
@@ -148,7 +150,7 @@ def _record_problem(rec: dict) -> Optional[str]:
     return None
 
 
-def read_samples(path: Path, *, repair: bool = False) -> list[dict]:
+def read_samples(path: Path, *, repair: bool = False, validate: bool = True) -> list[dict]:
     """Records of a samples.jsonl. A torn last line is what a killed run leaves: it is skipped
     with a warning, and with `repair` also cut off the file (a complete last record missing
     only its newline gets the newline). A corrupt line elsewhere, or an id recorded twice, is
@@ -179,7 +181,8 @@ def read_samples(path: Path, *, repair: bool = False) -> list[dict]:
                     with open(path, "r+b") as f:
                         f.truncate(good_end)
                 break
-            problem = _record_problem(rec)
+            problem = _record_problem(rec) if validate else (None if isinstance(rec.get("id"), str) else
+                                                              "record without a string `id`")
             if problem:  # a complete JSON object of the wrong shape is not a torn write
                 raise UserError([ConfigProblem(str(path), i + 1, "samples", problem,
                                                "remove or fix the line, or rerun with --force")])

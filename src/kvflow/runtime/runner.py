@@ -33,11 +33,16 @@ def results_path(loaded: LoadedPipeline) -> Path:
     return Path(loaded.pipeline.run.output) / f"{loaded.pipeline.name}__{loaded.hash}"
 
 
-def load_dataset(loaded: LoadedPipeline):
+_AS_CONFIGURED = object()
+
+
+def load_dataset(loaded: LoadedPipeline, limit=_AS_CONFIGURED):
+    """The run's problems, in the run's order (limit: the pipeline's `dataset.limit` unless given)."""
     from kvflow.eval.datasets import DatasetError, load_jsonl_problems, load_problems
 
     ds = loaded.pipeline.dataset
-    select = dict(limit=ds.limit, offset=ds.offset, shuffle=ds.shuffle, seed=loaded.pipeline.run.seed)
+    limit = ds.limit if limit is _AS_CONFIGURED else limit
+    select = dict(limit=limit, offset=ds.offset, shuffle=ds.shuffle, seed=loaded.pipeline.run.seed)
     try:
         if ds.path is None:
             return load_problems(ds.name, **select)
@@ -68,11 +73,7 @@ def check_same_pipeline(loaded: LoadedPipeline, store: ResultsDir) -> None:
 
     cfg = store.path / "config.resolved.yaml"
     if not cfg.exists():
-        if store.samples.exists():
-            raise UserError(loaded.problem("run.output", f"{store.path} has samples.jsonl but no "
-                                           "config.resolved.yaml: it was not written by this pipeline",
-                                           "move it away or rerun with --force"))
-        return
+        return  # nothing to compare with (its records are still checked one by one)
     try:
         data = yaml.safe_load(cfg.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
@@ -83,8 +84,12 @@ def check_same_pipeline(loaded: LoadedPipeline, store: ResultsDir) -> None:
                                        "move it away, or rerun with --force to replace it"))
 
 
-def _check_done_in_dataset(store: ResultsDir, done: list[dict], problems) -> None:
-    ids = {p.id for p in problems}
+def _check_done_in_dataset(loaded: LoadedPipeline, store: ResultsDir, done: list[dict]) -> None:
+    """Every record is one of the run's problems: of its dataset in its order, at any limit
+    (a run grown or viewed at another dataset.limit keeps the same order)."""
+    if not done:
+        return
+    ids = {p.id for p in load_dataset(loaded, limit=None)}
     strays = [r["id"] for r in done if r["id"] not in ids]
     if strays:
         raise UserError([ConfigProblem(str(store.samples), 0, "samples", f"records for problems not in this run's "
@@ -109,14 +114,24 @@ def run_pipeline(loaded: LoadedPipeline, *, force: bool = False, registry=None, 
     check_same_pipeline(loaded, store)
     done = store.load()
     metrics = store.metrics()
-    if len(done) >= len(problems) and metrics is not None:
+    ids = [p.id for p in problems]
+    _check_done_in_dataset(loaded, store, done)
+    done_ids = {r["id"] for r in done}
+    todo = [p for p in problems if p.id not in done_ids]
+    if not todo and len(done) > len(problems):
+        # a smaller dataset.limit than the run has done: its prefix, reported, nothing written
+        prefix = compute_metrics([r for r in done if r["id"] in set(ids)], proposers, owners,
+                                 baselines=pipe.run.baselines)
+        _say(quiet, f"complete for these {len(problems)} problems: {store.path} has {len(done)}; "
+                    f"the summary below is over the first {len(problems)}")
+        if not quiet:
+            print_summary(pipe.name, prefix, store.path, proposers)
+        return 0
+    if not todo and metrics is not None:
         _say(quiet, f"already complete: {store.path} (use --force to rerun)")
         if not quiet:
             print_summary(pipe.name, metrics, store.path, proposers)
         return 0
-    _check_done_in_dataset(store, done, problems)
-    done_ids = {r["id"] for r in done}
-    todo = [p for p in problems if p.id not in done_ids]
     if done:
         _say(quiet, f"resuming {store.path}: {len(done)} done, {len(todo)} to go")
     if todo:

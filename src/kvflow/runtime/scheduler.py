@@ -244,7 +244,7 @@ def _timing(clock: PhaseClock, p: _Problem) -> dict:
     phases = {k: v - p.phases_at_admission.get(k, 0.0) for k, v in now.items()}
     phases = {k: v for k, v in phases.items() if v > 0}
     phases["other"] = max(0.0, wall - sum(phases.values()))
-    return {"wall": round(wall, 4), "phases": {k: round(v, 4) for k, v in sorted(phases.items())}}
+    return {"wall": round(wall, 6), "phases": {k: round(v, 6) for k, v in sorted(phases.items())}}
 
 
 def _score(scorer: Scorer, trajs: Sequence[Trajectory], candidates: Sequence[Sequence[Candidate]]) -> None:

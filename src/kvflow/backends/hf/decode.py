@@ -192,7 +192,8 @@ class HFEngine:
         parts = [(r.cache, r.live) for r in self.running]
         rows = torch.cat([r.rows[r.live] for r in self.running])  # [L] row-table ids, forward order
         t = self.table
-        names = "+".join(dict.fromkeys(r.request.proposer for r in self.running))
+        running = {r.request.proposer for r in self.running}  # named in pipeline order (the label's)
+        names = "+".join([n for n in self.label.split("+") if n in running] or sorted(running))
         with self.clock.phase(f"forward:{names}"):
             logits = self.runner.decode_step(parts, t.pending[rows])  # [L, vocab]
         self.forwards += 1
