@@ -278,3 +278,29 @@ def test_real_pull_load_and_generate(real_cache):
         model2, tok2 = load_model(cfg)
         assert model2 is not model and tok2(text).input_ids == tok(text).input_ids
         assert torch.equal(model2.generate(**enc, max_new_tokens=6, do_sample=False), out)
+
+
+def test_a_separate_tokenizer_is_loaded_at_the_model_entrys_revision(tmp_path, monkeypatch):
+    """`revision` reaches the tokenizer too when it comes from its own source (it used to be
+    dropped: the weights at one revision, the tokenizer at the default branch)."""
+    import transformers
+
+    from kvflow.config.schema import ModelConfig
+    from kvflow.models import loading
+    from kvflow.testing import tiny_model_dir
+
+    model_dir = tiny_model_dir(tmp_path / "m", "qwen2", seed=1)
+    tok_dir = tiny_model_dir(tmp_path / "t", "llama", seed=2)
+    seen = []
+    real = transformers.AutoTokenizer.from_pretrained
+
+    def spy(source, *args, **kwargs):
+        seen.append((str(source), kwargs.get("revision")))
+        return real(source, *args, **{k: v for k, v in kwargs.items() if k != "revision"})
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", spy)
+    loading.clear_model_cache()
+    loading.load_model(ModelConfig(id=str(model_dir), tokenizer=str(tok_dir), revision="v1.2", dtype="float32",
+                                   device="cpu"))
+    loading.clear_model_cache()
+    assert (str(tok_dir), "v1.2") in seen

@@ -185,7 +185,9 @@ def _eos_ids(model, tokenizer) -> set[int]:
 
 
 class HFBackend:
-    """Registered as backend `hf`: loads a model into an `HFEngine` (kvflow.backends.hf.decode)."""
+    """transformers in-process (CPU or GPU): kvflow's batched decode with a budgeted KV cache.
+
+    Registered as backend `hf`; `load()` returns an `HFEngine` (kvflow.backends.hf.decode)."""
 
     name = "hf"
 
