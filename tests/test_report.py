@@ -277,3 +277,20 @@ def test_plot_marks_unfinished_runs(tmp_path, monkeypatch):
     monkeypatch.setattr("matplotlib.axes.Axes.annotate", lambda self, text, *a, **k: notes.append(text))
     assert plots.accuracy_vs_budget(runs, tmp_path / "acc.png").read_bytes()[:4] == b"\x89PNG"
     assert notes == ["unfinished: 3 of 10 problems"]  # the finished full-KV line is not annotated
+
+
+def test_wilson_interval_and_paired_bootstrap_of_the_share_recovered():
+    from kvflow.report.tables import recovery_interval, wilson
+
+    # textbook Wilson 95% intervals
+    assert wilson(0, 10) == pytest.approx((0.0, 0.2775), abs=1e-4)
+    assert wilson(5, 10) == pytest.approx((0.2366, 0.7634), abs=1e-4)
+    ids = [f"p{i}" for i in range(40)]
+    full = {i: k % 4 != 0 for k, i in enumerate(ids)}  # 30/40
+    evicted = {i: k % 4 == 1 for k, i in enumerate(ids)}  # 10/40, a subset of full's
+    assert recovery_interval(full, evicted, full, ids) == (1.0, 1.0)  # recovers everything in every draw
+    assert recovery_interval(evicted, evicted, full, ids) == (0.0, 0.0)
+    half = {i: evicted[i] or (full[i] and k % 2 == 0) for k, i in enumerate(ids)}  # wins back 10 of 20 lost
+    lo, hi = recovery_interval(half, evicted, full, ids)
+    assert lo < 0.5 < hi and 0.2 < lo and hi < 0.8
+    assert recovery_interval(half, evicted, evicted, ids) is None  # nothing lost, nothing to recover

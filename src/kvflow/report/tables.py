@@ -67,10 +67,47 @@ def _budget_text(r: Run) -> str:
     return "full" if r.full_kv else str(r.budget)
 
 
+def wilson(correct: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a proportion correct/n (sensible at small n and near 0 or 1)."""
+    if n == 0:
+        return (0.0, 1.0)
+    p = correct / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * ((p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5) / (1 + z * z / n)
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def _interval(lo_hi: Optional[tuple[float, float]]) -> Optional[str]:
+    return None if lo_hi is None else f"[{lo_hi[0]:.0%}, {lo_hi[1]:.0%}]"
+
+
+def recovery_interval(rescue: dict[str, bool], evicted: dict[str, bool], full: dict[str, bool], ids: Sequence[str],
+                      *, draws: int = 2000, seed: int = 0) -> Optional[tuple[float, float]]:
+    """95% paired-bootstrap interval of the share recovered, (acc - acc_evicted) / (acc_full -
+    acc_evicted): problems are resampled with replacement, the three runs' answers to a
+    problem staying together; draws where nothing was lost are left out."""
+    import random
+
+    ids = list(ids)
+    if not ids:
+        return None
+    rng = random.Random(seed)
+    values = []
+    for _ in range(draws):
+        sample = [rng.choice(ids) for _ in ids]
+        r, e, f = (sum(d[i] for i in sample) for d in (rescue, evicted, full))
+        if f != e:
+            values.append((r - e) / (f - e))
+    if len(values) < draws // 2:
+        return None
+    values.sort()
+    return (values[int(0.025 * len(values))], values[int(0.975 * len(values)) - 1])
+
+
 def runs_table(runs: Sequence[Run]) -> Table:
     sources, pruners = _sources(runs), _pruners(runs)
-    cols = ["run", "variant", "evictor", "budget", "N", "problems", "complete", "accuracy", "degeneration rate",
-            "mean steps", "mean output tokens"]
+    cols = ["run", "variant", "evictor", "budget", "N", "problems", "complete", "accuracy", "accuracy 95% CI",
+            "degeneration rate", "mean steps", "mean output tokens"]
     cols += [f"tokens: {s}" for s in sources] + [f"step share: {s}" for s in sources]
     cols += [f"pruned: {p}" for p in pruners] + ["early-exit fraction"]
     with_recovery = any(r.metrics.get("recovery") is not None for r in runs)
@@ -80,8 +117,10 @@ def runs_table(runs: Sequence[Run]) -> Table:
               | {f"step share: {s}" for s in sources} | {f"pruned: {p}" for p in pruners})
     for r in runs:
         m = r.metrics
-        row = [r.label, r.variant, r.evictor, _budget_text(r), r.n, m.get("n_problems", 0), r.complete,
-               m.get("accuracy"), m.get("degeneration_rate"), m.get("mean_steps"), m.get("mean_output_tokens")]
+        n_done = m.get("n_problems", 0)
+        ci = wilson(int(m.get("n_correct", round((m.get("accuracy") or 0) * n_done))), n_done) if n_done else None
+        row = [r.label, r.variant, r.evictor, _budget_text(r), r.n, n_done, r.complete, m.get("accuracy"),
+               _interval(ci), m.get("degeneration_rate"), m.get("mean_steps"), m.get("mean_output_tokens")]
         row += [(m.get("tokens_generated") or {}).get(s) if s in r.proposers else None for s in sources]
         row += [(m.get("step_share") or {}).get(s) if s in r.proposers else None for s in sources]
         row += [(m.get("pruned_fraction") or {}).get(p) for p in pruners]
@@ -241,13 +280,15 @@ def rescue_table(runs: Sequence[Run]) -> Optional[Table]:
     rescues = [r for r in runs if r.variant == "interleave + early exit" and not r.full_kv]
     if not rescues:
         return None
-    cols = ["setting", "problems", "full KV", "evicted", "KV-Rescue", "lost to eviction", "recovered",
-            "oracle recovered", "base tokens saved", "saved by early exit", "degenerate: evicted",
-            "degenerate: KV-Rescue", "helper steps", "base candidates exited"]
+    cols = ["setting", "problems", "full KV", "evicted", "KV-Rescue", "KV-Rescue 95% CI", "lost to eviction",
+            "recovered", "recovered 95% CI", "oracle recovered", "oracle 95% CI", "base tokens saved",
+            "saved by early exit", "degenerate: evicted", "degenerate: KV-Rescue", "helper steps",
+            "base candidates exited", "baselines"]
     t = Table("rescue", "KV-Rescue vs eviction (the paper's Table 2 form)", cols,
-              percent=set(cols[2:]),
+              percent=set(cols[2:]) - {"KV-Rescue 95% CI", "recovered 95% CI", "oracle 95% CI", "baselines"},
               note="Per KV-Rescue run: full KV and evicted = best-of-N runs with the same N (evicted: same "
-                   "evictor and budget). Lost = full − evicted; recovered = (KV-Rescue − evicted) / lost; "
+                   "evictor and budget), or of another N when there is none (`baselines` says which N). "
+                   "Intervals: Wilson for accuracy, paired bootstrap over problems for the shares recovered. Lost = full − evicted; recovered = (KV-Rescue − evicted) / lost; "
                    "oracle recovered = the same for an answer-level pick that is right when the evicted base "
                    "or the helper-only run is; base tokens saved = 1 − KV-Rescue's base tokens / best-of-N's; "
                    "saved by early exit = 1 − KV-Rescue's / interleave-only's; degenerate = incorrect and at the "
@@ -261,7 +302,9 @@ def rescue_table(runs: Sequence[Run]) -> Optional[Table]:
     for rescue in sorted(rescues, key=lambda r: (r.evictor, r.budget or 0, r.n, r.label)):
         same = (lambda r: r.evictor == rescue.evictor and r.budget == rescue.budget and r.n == rescue.n
                 and not r.full_kv)
-        evicted = pick(lambda r: r.variant == "best-of-N" and same(r))
+        same_any_n = (lambda r: r.evictor == rescue.evictor and r.budget == rescue.budget and not r.full_kv)
+        evicted = pick(lambda r: r.variant == "best-of-N" and same(r)) or \
+            pick(lambda r: r.variant == "best-of-N" and same_any_n(r))
         full = pick(lambda r: r.variant == "best-of-N" and r.full_kv and r.n == rescue.n) or \
             pick(lambda r: r.variant == "best-of-N" and r.full_kv)
         interleave = pick(lambda r: r.variant == "interleave" and same(r))
@@ -269,6 +312,9 @@ def rescue_table(runs: Sequence[Run]) -> Optional[Table]:
         row_runs = [x for x in (rescue, evicted, full, interleave, helper) if x is not None]
         ids = set.intersection(*(set(x.correct_by_id()) for x in row_runs))
         setting = f"{rescue.evictor} B={_budget_text(rescue)} N={rescue.n}"
+        if rescue.label != min((x.label for x in rescues if x.evictor == rescue.evictor and x.budget == rescue.budget
+                                and x.n == rescue.n), default=rescue.label):
+            setting += f" ({rescue.label})"
         if not ids:
             t.rows.append([setting, 0] + [None] * (len(cols) - 2))
             continue
@@ -283,13 +329,23 @@ def rescue_table(runs: Sequence[Run]) -> Optional[Table]:
         oracle_rec = oracle(evicted, helper, full, within=ids).recovered if helper and evicted else None
         base_r, base_e, base_i = (get("rescue", "mean_base_tokens"), get("evicted", "mean_base_tokens"),
                                   get("interleave", "mean_base_tokens"))
+        sorted_ids = sorted(ids)
+        rc, ec = rescue.correct_by_id(), evicted.correct_by_id() if evicted else None
+        fc = full.correct_by_id() if full else None
+        rec_ci = recovery_interval(rc, ec, fc, sorted_ids) if ec is not None and fc is not None else None
+        oracle_ci = None
+        if helper and ec is not None and fc is not None:
+            hc = helper.correct_by_id()
+            oracle_ci = recovery_interval({i: ec[i] or hc[i] for i in sorted_ids}, ec, fc, sorted_ids)
+        baselines = ", ".join(f"{name} N={x.n}" for name, x in (("full", full), ("evicted", evicted)) if x is not None)
         t.rows.append([
-            setting, len(ids), acc_f, acc_e, acc_r, lost,
-            recovery(acc_r, acc_e, acc_f) if acc_e is not None else None, oracle_rec,
+            setting, len(ids), acc_f, acc_e, acc_r, _interval(wilson(sum(rc[i] for i in ids), len(ids))), lost,
+            recovery(acc_r, acc_e, acc_f) if acc_e is not None else None, _interval(rec_ci), oracle_rec,
+            _interval(oracle_ci),
             1 - base_r / base_e if base_r is not None and base_e else None,
             1 - base_r / base_i if base_r is not None and base_i else None,
             get("evicted", "degeneration_rate"), get("rescue", "degeneration_rate"),
             sum((m["rescue"].get("step_share") or {}).get(p, 0.0) for p in rescue.proposers[1:]),
-            get("rescue", "early_exit_fraction"),
+            get("rescue", "early_exit_fraction"), baselines,
         ])
     return t

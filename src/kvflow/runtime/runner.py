@@ -224,7 +224,11 @@ def _decode_with(loaded: LoadedPipeline, registry, store: ResultsDir, todo, quie
         try:
             run(plan, trajectories(), on_done, timings=timings, occupancy=occupancy, on_tick=on_tick)
         finally:
-            store.update_manifest(occupancy=_merge_occupancy(store.manifest().get("occupancy"), occupancy.summary()))
+            try:  # best effort: must not hide why the run stopped (e.g. a full disk)
+                store.update_manifest(occupancy=_merge_occupancy(store.manifest().get("occupancy"),
+                                                                 occupancy.summary()))
+            except (OSError, UserError):
+                pass
 
 
 _HEARTBEAT_S = 10.0  # seconds between "in flight" lines when no problem has finished
