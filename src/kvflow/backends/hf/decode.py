@@ -203,24 +203,26 @@ class HFEngine:
         t.tokens[rows, pos], t.logprobs[rows, pos], t.entropies[rows, pos] = new, logprob, entropy
         t.count[rows] = pos + 1
         t.pending[rows] = new
-        finish = torch.zeros_like(new)
-        start = 0
-        for r in self.running:  # stop rules per proposal: delimiter tables differ by spec
-            k = len(r.live)
-            sl = slice(start, start + k)
-            start += k
-            table = self._delimiter(r.request.spec.delimiter)
-            state = t.state[rows[sl]]
-            hit = table.hit[state, new[sl]]
-            t.state[rows[sl]] = table.next[state, new[sl]]
-            finish[sl] = torch.where(torch.isin(new[sl], self._eos), _EOS,
-                                     torch.where(hit, _DELIMITER, torch.where(pos[sl] + 1 >= t.cap[rows[sl]], _CAP, _LIVE)))
+        # stop rules, batched over every live row: EOS, then the delimiter, then the step cap
+        spans = self._spans()
+        hit = torch.zeros_like(new, dtype=torch.bool)
+        for delimiter, idx in _groups(self.running, lambda r: r.request.spec.delimiter):
+            sel = torch.cat([spans[i] for i in idx])  # positions in the forward of these proposals' rows
+            table = self._delimiter(delimiter)
+            state = t.state[rows[sel]]
+            hit[sel] = table.hit[state, new[sel]]
+            t.state[rows[sel]] = table.next[state, new[sel]]
+        finish = torch.where(torch.isin(new, self._eos), _EOS,
+                             torch.where(hit, _DELIMITER, torch.where(pos + 1 >= t.cap[rows], _CAP, _LIVE)))
+        for r, span in zip(self.running, spans):
             if r.texts is not None:
-                for j, tok in zip(r.live.tolist(), new[sl].tolist()):
+                for j, tok in zip(r.live.tolist(), new[span].tolist()):
                     r.texts[j] += self.runner.piece(tok)
-            if r.request.spec.pruners:
-                with self.clock.phase("prune"):
-                    finish[sl] = self._prune(r, rows[sl], finish[sl])
+        with self.clock.phase("prune"):  # one trace per proposer: its proposals' rows together
+            for _, idx in _groups(self.running, lambda r: id(r.request.spec)):
+                if self.running[idx[0]].request.spec.pruners:
+                    sel = torch.cat([spans[i] for i in idx])
+                    finish[sel] = self._prune([self.running[i] for i in idx], rows[sel], finish[sel])
         t.finish[rows] = finish
         ended = (finish != _LIVE).tolist()  # the step's one host sync
         done: list[Proposal] = []
@@ -256,17 +258,15 @@ class HFEngine:
             busy += n
 
     def _sample(self, logits: torch.Tensor, rows: torch.Tensor):
-        specs = [r.request.spec for r in self.running]
-        sizes = [len(r.live) for r in self.running]
-        keys = [(s.temperature, s.top_p) for s in specs]
-        if len(set(keys)) == 1:
-            return self._sample_rows(logits, rows, *keys[0])
+        groups = _groups(self.running, lambda r: (r.request.spec.temperature, r.request.spec.top_p))
+        if len(groups) == 1:
+            return self._sample_rows(logits, rows, *groups[0][0])
         new = torch.zeros(len(rows), dtype=torch.long)
         logprob, entropy = torch.zeros(len(rows)), torch.zeros(len(rows))
-        bounds = torch.tensor([0] + sizes).cumsum(0).tolist()
-        for key in dict.fromkeys(keys):
-            idx = torch.cat([torch.arange(bounds[i], bounds[i + 1]) for i, k in enumerate(keys) if k == key])
-            new[idx], logprob[idx], entropy[idx] = self._sample_rows(logits[idx], rows[idx], *key)
+        spans = self._spans()
+        for key, idx in groups:
+            sel = torch.cat([spans[i] for i in idx])
+            new[sel], logprob[sel], entropy[sel] = self._sample_rows(logits[sel], rows[sel], *key)
         return new, logprob, entropy
 
     def _sample_rows(self, logits, rows, temperature: float, top_p: float):
@@ -275,14 +275,25 @@ class HFEngine:
         new, logprob, entropy = sample(logits, temperature, top_p, u)
         return new.cpu(), logprob.cpu(), entropy.cpu()
 
-    def _prune(self, r: _Running, rows: torch.Tensor, finish: torch.Tensor) -> torch.Tensor:
-        t = self.table
+    def _spans(self) -> list[torch.Tensor]:
+        """Positions of each running proposal's live rows in this step's forward."""
+        sizes = [len(r.live) for r in self.running]
+        bounds = [0] + torch.tensor(sizes).cumsum(0).tolist()
+        return [torch.arange(bounds[i], bounds[i + 1]) for i in range(len(sizes))]
+
+    def _prune(self, group: list[_Running], rows: torch.Tensor, finish: torch.Tensor) -> torch.Tensor:
+        """Run the pruners of one proposer over the live rows of its running proposals."""
+        t, spec = self.table, group[0].request.spec
         width = int(t.cap[rows].max())
-        texts = [r.texts[j] for j in r.live.tolist()] if r.texts is not None else _LazyTexts(self, rows)
+        if all(r.texts is not None for r in group):
+            texts = [r.texts[j] for r in group for j in r.live.tolist()]
+        else:
+            texts = _LazyTexts(self, rows)
+        owners = [(r, j) for r in group for j in r.live.tolist()]  # row i of the trace -> (proposal, local row)
         trace = StepTrace(t.entropies[rows, :width], t.count[rows], texts)
-        for k, (name, pruner) in enumerate(r.request.spec.pruners):
-            if r.request.spec.record_signals:
-                for j, v in zip(r.live.tolist(), pruner.signal(trace).tolist()):
+        for k, (name, pruner) in enumerate(spec.pruners):
+            if spec.record_signals:
+                for (r, j), v in zip(owners, pruner.signal(trace).tolist()):
                     r.signals[j].setdefault(name, []).append(v)
             flagged = pruner.check(trace).to(finish.device) & (finish == _LIVE)
             finish = torch.where(flagged, _PRUNED + k, finish)
