@@ -163,6 +163,9 @@ def test_explain_quickstart(cli):
     assert re.search(r"^  base: 128 tokens \(budget 64 \+ buffer 64\)", out, re.M)
     assert re.search(rf"^  helper: {limits.max_tokens + 256} tokens \(full cache", out, re.M)
     assert "resolved config:" in out and "    evictor: {kind: random" in out
+    # both roles load the same checkpoint the same way: one engine, one forward per token for both
+    assert "models base = helper [hf]: base, helper (up to 8 rows per forward)" in out
+    assert "live_problems=4" in out
 
 
 def test_explain_kv_rescue(cli):

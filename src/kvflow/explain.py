@@ -256,15 +256,20 @@ def explain_lines(loaded: "LoadedPipeline", registry: Optional["Registry"] = Non
     r = pipe.run
     out.append(f"run: seed={r.seed}, batch_problems={r.batch_problems}, live_problems="
                f"{r.live_problems or 2 * r.batch_problems}, output={r.output}/{pipe.name}__{loaded.hash}")
-    engines: dict[str, list[str]] = {}
+    engines: dict[tuple, list[str]] = {}  # model entries that load the same weights share one engine
+    keys: dict[tuple, list[str]] = {}
     for pname, prop in pipe.proposers.items():
         m = pipe.models.get(prop.model)
-        engines.setdefault(f"{prop.model} [{m.backend if m else '?'}]", []).append(pname)
+        ident = (m.backend, m.id, m.dtype, m.device, m.gguf_file, m.tokenizer, m.revision) if m else (prop.model,)
+        engines.setdefault(ident, []).append(pname)
+        if prop.model not in keys.setdefault(ident, []):
+            keys[ident].append(prop.model)
     out.append("engines (one per model; proposers on one model decode in one forward per token; each model "
                f"decodes at most batch_problems x its candidates per problem rows):")
-    for key, names in engines.items():
+    for ident, names in engines.items():
         rows = r.batch_problems * sum(pipe.proposers[n].n for n in names)
-        out.append(f"  {key}: {', '.join(names)} (up to {rows} rows per forward)")
+        backend = ident[0] if len(ident) > 1 else "?"
+        out.append(f"  models {' = '.join(keys[ident])} [{backend}]: {', '.join(names)} (up to {rows} rows per forward)")
 
     out.append("")
     out.append("KV memory per sequence (estimate; K and V of every layer, at the model's dtype):")
