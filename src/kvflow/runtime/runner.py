@@ -114,13 +114,13 @@ def run_pipeline(loaded: LoadedPipeline, *, force: bool = False, registry=None, 
     check_same_pipeline(loaded, store)
     done = store.load()
     metrics = store.metrics()
-    ids = [p.id for p in problems]
+    ids = {p.id for p in problems}
     _check_done_in_dataset(loaded, store, done)
     done_ids = {r["id"] for r in done}
     todo = [p for p in problems if p.id not in done_ids]
     if not todo and len(done) > len(problems):
         # a smaller dataset.limit than the run has done: its prefix, reported, nothing written
-        prefix = compute_metrics([r for r in done if r["id"] in set(ids)], proposers, owners,
+        prefix = compute_metrics([r for r in done if r["id"] in ids], proposers, owners,
                                  baselines=pipe.run.baselines)
         _say(quiet, f"complete for these {len(problems)} problems: {store.path} has {len(done)}; "
                     f"the summary below is over the first {len(problems)}")
