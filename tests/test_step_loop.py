@@ -319,3 +319,34 @@ def test_problems_advance_on_their_own_and_finish_out_of_order():
     for entry in summary.values():
         assert entry["bound"] == 4 and 0 < entry["occupancy"] <= 1
         assert entry["mean_rows"] == pytest.approx(entry["occupancy"] * 4, abs=1e-2)
+
+
+def test_rows_leave_the_batch_without_copies(monkeypatch):
+    """The hot path: a proposal's fork is one select (n row copies) and nothing else is
+    copied while rows end at different steps, and every decode step is one forward over the
+    live rows of all proposals (no per-row forwards)."""
+    from kvflow.backends.hf.cache import BudgetedCache
+    from kvflow.backends.hf.engine import HFRunner
+    from kvflow.components.engine import ProposeRequest, StartRequest
+
+    engine = tiny_runner("qwen2", seed=3)
+    ev = RandomEvictor(RandomEvictor.Params(budget=24, buffer=8, window=4))
+    tok = tiny_tokenizer()
+    states = engine.start([StartRequest(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                                                add_generation_prompt=True), ev, i)
+                           for i, q in enumerate(MORE_QUESTIONS[:4])])
+    selects, forwards = [], []
+    original_select, original_step = BudgetedCache.select, HFRunner.decode_step
+    monkeypatch.setattr(BudgetedCache, "select", lambda self, rows: (selects.append(len(rows)),
+                                                                       original_select(self, rows))[1])
+    monkeypatch.setattr(HFRunner, "decode_step", lambda self, parts, tokens: (forwards.append(len(tokens)),
+                                                                               original_step(self, parts, tokens))[1])
+    s = spec("base", n=3, temperature=1.0, max_step_tokens=12)
+    engine.submit([ProposeRequest(st, "base", s, 10 + i, 3 + 2 * i) for i, st in enumerate(states)])  # rooms 3..9
+    done = []
+    while engine.busy_rows():
+        done += engine.step()
+    assert len(done) == 4 and sorted(len(p.candidates) for p in done) == [3, 3, 3, 3]
+    assert selects == [3, 3, 3, 3]  # the forks, and nothing while rows ended
+    assert forwards[0] == 12 and forwards == sorted(forwards, reverse=True) and len(forwards) <= 9
+    assert min(forwards) < 12  # rows really left as they ended
