@@ -131,7 +131,7 @@ def test_report_out_somewhere_unwritable(finished_run, tmp_path, cli):
     _, run_dir = finished_run
     blocker = tmp_path / "afile"
     blocker.write_text("x")
-    assert_user_error(cli("report", str(run_dir), "--out", str(blocker / "report")), "--out", "cannot write")
+    assert_user_error(cli("report", str(run_dir), "--out", str(blocker / "report")), "--out", "is a file, not a directory")
 
 
 def test_cost_png_onto_an_existing_directory(tmp_path, cli):

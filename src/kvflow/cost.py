@@ -379,15 +379,12 @@ def plot(rows: list[dict], path: Path) -> Path:
 
 
 def check_output_file(path: Path, flag: str) -> None:
-    """An output file can be written at `path` (its folder exists and is writable, and it is not
-    a directory), or a UserError saying why: checked before any work."""
-    if path.is_dir():
-        raise UserError(f"{flag} {path}: is a directory", hint="give a file name, e.g. cost.png")
-    folder = path.parent if str(path.parent) else Path(".")
-    if not folder.is_dir():
-        raise UserError(f"{flag} {path}: no such directory: {folder}")
-    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise UserError(f"{flag} {path}: not writable", hint="pick a path you can write to")
+    """An output file can be written at `path`, or a UserError saying why: before any work."""
+    from kvflow.outputs import output_file_problem
+
+    why = output_file_problem(path)
+    if why:
+        raise UserError(f"{flag} {path}: {why}", hint="give a file name in a folder you can write to, e.g. cost.png")
 
 
 def cost_command(models: Sequence[str], *, budget: int, buffer: int, lengths: str, helper: Optional[str],

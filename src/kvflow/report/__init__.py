@@ -123,14 +123,11 @@ def report_command(
 
 def check_output_dir(out: Path, flag: str) -> None:
     """Create `out` (a directory for outputs) or say clearly why it cannot be (exit 2)."""
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".kvflow-write-test"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise UserError(f"{flag} {out}: cannot write there: {e.strerror or e}",
-                        hint="pick a directory you can write to") from None
+    from kvflow.outputs import output_dir_problem
+
+    why = output_dir_problem(out, create=True)
+    if why:
+        raise UserError(f"{flag} {out}: {why}", hint="pick a directory you can write to")
 
 
 def render_markdown(runs: Sequence[Run], tables: Sequence[T.Table], plots: Sequence[Path] = ()) -> str:

@@ -56,13 +56,13 @@ def load_dataset(loaded: LoadedPipeline, limit=_AS_CONFIGURED):
 
 def check_output(loaded: LoadedPipeline) -> None:
     """`run.output` is (or can become) a directory: no part of it is a file."""
+    from kvflow.outputs import output_dir_problem
+
     out = Path(loaded.pipeline.run.output)
-    for p in [out, *out.parents]:
-        if p.exists():
-            if not p.is_dir():
-                raise UserError(loaded.problem("run.output", f"{out}: {p} is a file, not a directory",
-                                               "point run.output at a directory (it is created if missing)"))
-            break
+    why = output_dir_problem(out)
+    if why:
+        raise UserError(loaded.problem("run.output", f"{out}: {why}",
+                                       "point run.output at a directory (it is created if missing)"))
 
 
 def check_same_pipeline(loaded: LoadedPipeline, store: ResultsDir) -> None:
