@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -101,6 +102,7 @@ def test_a_line_per_finished_problem_when_stderr_is_not_a_terminal(tmp_path, cli
     assert len(lines) == 3
     assert lines[-1].startswith("kvflow: [3/3] tiny/") and " steps, " in lines[-1] and " tokens, " in lines[-1]
     assert "acc " in lines[-1]
+    assert re.search(r"decode occupancy: base .* [\d.]+% \([\d.]+ of 8 rows, \d+ forwards\)", result.stdout)
 
 
 def test_a_larger_limit_grows_the_run_and_a_smaller_one_reports_its_prefix(tmp_path, cli):

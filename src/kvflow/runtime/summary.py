@@ -27,6 +27,9 @@ def summary_rows(metrics: dict, proposers: Sequence[str]) -> list[tuple[str, str
         rows.append(("wall time / problem (admitted to done)", f"{timing['mean_wall']:.1f} s"))
         share = ", ".join(f"{k} {v:.0%}" for k, v in timing["share"].items())
         rows.append(("time share", share))
+        for name, occ in (timing.get("occupancy") or {}).items():
+            rows.append((f"decode occupancy: {name}", f"{occ['occupancy']:.1%} ({occ['mean_rows']:.1f} of "
+                                                      f"{occ['bound']} rows, {occ['forwards']} forwards)"))
     return rows
 
 
