@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src:$PWD/plugins${PYTHONPATH:+:$PYTHONPATH}"
 out="${OUT:-.}/gpu_check.json"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
-python - <<'PY' || exit 3
+${PYTHON:-python3} - <<'PY' || exit 3
 import importlib, sys
 missing = [m for m in ("torch", "transformers", "pydantic", "yaml", "pluggy") if importlib.util.find_spec(m) is None]
 import torch, transformers
@@ -22,5 +22,5 @@ PY
 : > "$out"
 for spec in "--problems 8 --n 8 --steps 2" "--problems 32 --n 8 --steps 3" "--problems 64 --n 8 --steps 3"; do
   echo "== $spec" >&2
-  timeout 200 python bench/scheduler_throughput.py --device cuda $spec | tee -a "$out" || echo "{\"failed\": \"$spec\"}" >> "$out"
+  timeout 200 ${PYTHON:-python3} bench/scheduler_throughput.py --device cuda $spec | tee -a "$out" || echo "{\"failed\": \"$spec\"}" >> "$out"
 done
