@@ -12,7 +12,7 @@ export PYTHONPATH="$PWD/src:$PWD/plugins${PYTHONPATH:+:$PYTHONPATH}"
 out="${OUT:-.}/gpu_check.json"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 ${PYTHON:-python3} - <<'PY' || exit 3
-import importlib, sys
+import importlib.util, sys
 missing = [m for m in ("torch", "transformers", "pydantic", "yaml", "pluggy") if importlib.util.find_spec(m) is None]
 import torch, transformers
 print("torch", torch.__version__, "cuda", torch.cuda.is_available(), "transformers", transformers.__version__)
