@@ -56,3 +56,4 @@ def register_committers(register):
 @hookimpl
 def register_backends(register):
     register("hf", "kvflow.backends.hf.engine:HFBackend")
+    register("sglang", "kvflow.backends.sglang:SGLangBackend")

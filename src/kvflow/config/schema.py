@@ -54,6 +54,11 @@ class ModelConfig(Frozen):
     tokenizer: Optional[str] = Field(None, description="Tokenizer source when it differs from `id`.")
     trust_remote_code: bool = Field(False, description="Allow the checkpoint's own Python code. Off unless asked.")
     revision: Optional[str] = None
+    engine: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Engine settings passed to the backend as they are: SGLang's server arguments on "
+        "`backend: sglang` (tp_size, dp_size, mem_fraction_static, attention_backend, context_length, ...); "
+        "none on `hf`.")
 
 
 class SamplingConfig(Frozen):

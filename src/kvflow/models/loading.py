@@ -223,6 +223,7 @@ def _save_converted(model: Any, tokenizer: Any, target: Path, stamp: dict) -> No
         config = copy.deepcopy(model.config)
         if hasattr(config, "quantization_config"):  # it is no longer quantized
             del config.quantization_config
+        config.architectures = [type(model).__name__]  # engines that pick a model class by it (SGLang)
         config.save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
         save_model(model, str(tmp / "model.safetensors"))  # a tied lm_head is stored once
@@ -318,6 +319,36 @@ def load_model(model_cfg: Any) -> tuple[Any, Any]:
         log.info("loaded %s (%s, %s) in %.1f s", model_cfg.id, dtype, device, time.perf_counter() - t0)
         _CACHE[key] = (model, tokenizer)
         return model, tokenizer
+
+
+def model_directory(model_cfg: Any, *, tokenizer: bool = False) -> Path:
+    """A transformers directory of the entry's weights (or of its `tokenizer`), for engines
+    that load checkpoints themselves (SGLang): a local directory as it is, a catalog model's
+    converted copy (converted here once, like `load_model` does); a hub id is not resolved.
+    The copy's config.json names its `architectures` (SGLang picks its model class by it)."""
+    ref = model_cfg.tokenizer if tokenizer and model_cfg.tokenizer else model_cfg.id
+    src = resolve_source(ref, None if tokenizer else getattr(model_cfg, "gguf_file", None))
+    if src.kind == "dir":
+        return Path(src.ref)
+    if src.kind != "catalog":
+        return Path(ref)
+    dtype = getattr(model_cfg, "dtype", "bfloat16")
+    dtype = "bfloat16" if dtype == "auto" else dtype
+    conv = pull(src.ref, progress=lambda m: log.info("%s", m)).parent / f"hf-{dtype}"
+    if not (conv / _STAMP).is_file():
+        _load_catalog(src.ref, dtype)  # converts it (once)
+    config_path = conv / "config.json"
+    config = json.loads(config_path.read_text())
+    if not config.get("architectures"):  # converted before kvflow wrote them
+        with file_lock(conv.parent / f".hf-{dtype}.lock"):
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            model_cls = AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(conv))]
+            config["architectures"] = [model_cls.__name__]
+            tmp = config_path.with_suffix(".json.tmp")
+            tmp.write_text(json.dumps(config, indent=2) + "\n")
+            os.replace(tmp, config_path)
+    return conv
 
 
 def clear_model_cache() -> None:

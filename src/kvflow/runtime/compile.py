@@ -35,8 +35,16 @@ def check_models(loaded: LoadedPipeline, registry=None) -> None:
     for key in used_models(loaded):
         cfg = loaded.pipeline.models[key]
         why = registry.get("backends", cfg.backend).check(cfg)
-        if why:
+        if isinstance(why, tuple):  # (field under the entry, sentence): a setting, not availability
+            problems.append(loaded.problem(f"models.{key}.{why[0]}", why[1]))
+        elif why:
             problems.append(loaded.problem(f"models.{key}.id", f"model {cfg.id!r} is not available: {why}", CPU_HINT))
+    for name, prop in loaded.pipeline.proposers.items():
+        backend = loaded.pipeline.models[prop.model].backend
+        if prop.evictor.kind != "none" and not getattr(registry.get("backends", backend), "evicts", True):
+            problems.append(loaded.problem(
+                f"proposers.{name}.evictor", f"backend '{backend}' (models.{prop.model}.backend) runs full-context "
+                f"proposers only, not evictor '{prop.evictor.kind}'", "put this proposer's model on backend 'hf'"))
     if problems:
         raise UserError(problems)
 

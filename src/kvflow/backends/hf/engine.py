@@ -196,6 +196,9 @@ class HFBackend:
         """None if the model can be loaded here (nothing is loaded), else why not."""
         from kvflow.models.loading import check_available
 
+        if getattr(model_cfg, "engine", None):
+            return ("engine", f"backend 'hf' takes no engine settings (got {', '.join(model_cfg.engine)}); "
+                              "they are SGLang's server arguments, for `backend: sglang`")
         return check_available(model_cfg)
 
     @staticmethod

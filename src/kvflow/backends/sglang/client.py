@@ -1,0 +1,149 @@
+"""The kvflow side of the SGLang worker (`worker.py`): start it, send requests, read replies.
+
+`Worker.start(engine_kwargs)` launches `python -m kvflow.backends.sglang.worker` with this
+interpreter, waits for its engine, and reads its replies on a thread into a queue, so that
+`poll()` never blocks the scheduler for longer than asked. Workers are shared per set of
+engine arguments within a process (`shared()`): model entries that name the same weights
+and settings, and every test of a session, reuse one engine.
+
+A worker that dies (SGLang kills it when one of its own processes dies) turns into an
+`EngineError` naming the model entry and the end of the worker's log.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import os
+import queue
+import subprocess
+import sys
+import tempfile
+import threading
+from typing import Any, Optional
+
+from kvflow.backends.sglang.worker import read_frame, write_frame
+from kvflow.errors import KvflowError
+
+_START_TIMEOUT_S = 600
+
+
+class EngineError(KvflowError):
+    """The SGLang engine failed or exited."""
+
+
+class Worker:
+    def __init__(self, proc: subprocess.Popen, log_path: str, where: str) -> None:
+        self.proc, self.log_path, self.where = proc, log_path, where
+        self.replies: queue.Queue = queue.Queue()
+        self.info: dict = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self.handlers: dict[str, Any] = {}  # rid -> owner, for routing replies between engines
+
+    @classmethod
+    def start(cls, engine_kwargs: dict, where: str) -> "Worker":
+        log = tempfile.NamedTemporaryFile(prefix="kvflow-sglang-", suffix=".log", delete=False)
+        env = dict(os.environ)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        proc = subprocess.Popen([sys.executable, "-m", "kvflow.backends.sglang.worker"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True)
+        log.close()
+        worker = cls(proc, log.name, where)
+        write_frame(proc.stdin, {"engine": engine_kwargs})
+        first = _read_with_timeout(proc.stdout, _START_TIMEOUT_S)
+        if not first or first[0] != "ready":
+            message = first[2] if first and first[0] == "error" else "the worker exited"
+            worker.close()
+            raise EngineError(f"{where}: SGLang engine did not start: {message.strip().splitlines()[0]}"
+                              f"\n{worker.log_tail()}")
+        worker.info = first[1]
+        threading.Thread(target=worker._read, daemon=True).start()
+        return worker
+
+    def _read(self) -> None:
+        while True:
+            msg = read_frame(self.proc.stdout)
+            self.replies.put(msg if msg is not None else ("dead",))
+            if msg is None:
+                return
+
+    def new_rid(self, prefix: str) -> str:
+        return f"{prefix}-{os.getpid()}-{next(self._ids)}"
+
+    def send(self, *msg) -> None:
+        if self.proc.poll() is not None:
+            self.fail()
+        with self._lock:
+            try:
+                write_frame(self.proc.stdin, msg)
+            except (BrokenPipeError, OSError):
+                self.fail()
+
+    def poll(self, timeout: float) -> list:
+        """Replies that arrived, waiting up to `timeout` seconds for the first."""
+        out = []
+        try:
+            out.append(self.replies.get(timeout=timeout) if timeout > 0 else self.replies.get_nowait())
+            while True:
+                out.append(self.replies.get_nowait())
+        except queue.Empty:
+            pass
+        for msg in out:
+            if msg[0] == "dead":
+                self.fail()
+            if msg[0] == "error" and msg[1] is None:
+                raise EngineError(f"{self.where}: SGLang worker failed: {msg[2]}")
+        return out
+
+    def fail(self) -> None:
+        code = self.proc.wait(timeout=30) if self.proc.poll() is None else self.proc.returncode
+        raise EngineError(f"{self.where}: the SGLang worker exited (code {code}); rerun to resume.\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 12) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                tail = f.read().splitlines()[-lines:]
+        except OSError:
+            return ""
+        return f"end of the worker's log ({self.log_path}):\n" + "\n".join("  " + x for x in tail)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                with self._lock:
+                    write_frame(self.proc.stdin, ("shutdown",))
+                self.proc.wait(timeout=60)
+            except Exception:  # noqa: BLE001 - shutting down regardless
+                pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+        _SHARED.pop(self._key, None) if hasattr(self, "_key") else None
+
+
+def _read_with_timeout(stream, timeout: float) -> Optional[Any]:
+    box: list = []
+    t = threading.Thread(target=lambda: box.append(read_frame(stream)), daemon=True)
+    t.start()
+    t.join(timeout)
+    return box[0] if box else None
+
+
+_SHARED: dict[tuple, Worker] = {}
+
+
+def shared(engine_kwargs: dict, where: str) -> Worker:
+    """The running worker for these engine arguments, started on first use (closed at exit)."""
+    key = tuple(sorted((k, repr(v)) for k, v in engine_kwargs.items()))
+    worker = _SHARED.get(key)
+    if worker is None or worker.proc.poll() is not None:
+        worker = Worker.start(engine_kwargs, where)
+        worker._key = key
+        _SHARED[key] = worker
+    return worker
+
+
+@atexit.register
+def _close_all() -> None:
+    for worker in list(_SHARED.values()):
+        worker.close()

@@ -1,0 +1,390 @@
+"""`SGLangEngine`: kvflow's engine protocol over SGLang's offline engine (full-context proposers).
+
+A problem's state is its token ids (prompt + committed steps); each proposal sends one
+SGLang request per candidate with the whole sequence as input, and SGLang's radix cache
+keeps the shared prefix, so a step costs only its new tokens (`stats()` counts the cached
+prompt tokens). Candidates stream back token by token; kvflow applies its own stop rules
+(EOS, the delimiter over token pieces, the step cap) and pruners to every token, exactly as
+on `hf`, and aborts a stopped candidate in the engine so that early exit saves real tokens
+(the few the engine produced before the abort reached it are counted, not used).
+
+Sampling: candidate i of a request sends `sampling_seed = row_seed(request.seed, i)`; kvflow's
+SGLang plugin (`plugin.py`) makes SGLang draw each token from a hash of that seed and the
+token's position, so the same seed and prefix give the same candidate, alone or in any batch
+(not the `hf` backend's tokens: another generator). Greedy decoding equals `hf` token for
+token on the same weights in float32.
+
+Logprobs are the model's own (temperature 1; SGLang's `SGLANG_RETURN_ORIGINAL_LOGPROB`);
+entropies are estimated from the top-`TOP_K` log-probabilities SGLang returns: the
+distribution at the sampling temperature over those tokens, plus the rest of the mass spread
+evenly over the rest of the vocabulary (`entropy_estimate`; docs/backends.md gives its error).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from kvflow.backends.sglang.client import EngineError, Worker
+from kvflow.components.base import Candidate, StepTrace
+from kvflow.components.engine import Proposal, ProposeRequest, StartRequest, SyncRequest, row_seed
+from kvflow.timing import NULL_CLOCK
+
+TOP_K = 20  # top log-probabilities per token, for the entropy estimate
+_POLL_S = 0.02  # longest wait for the engine per step() when rows are decoding
+
+
+@dataclass
+class SGLangState:
+    ids: list[int]  # prompt + committed tokens
+
+
+@dataclass
+class _Row:
+    rid: str
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    entropies: list[float] = field(default_factory=list)
+    text: str = ""  # the token pieces so far (what pruners and the delimiter see)
+    finish: Optional[str] = None
+    signals: dict = field(default_factory=dict)
+    match: int = 0  # leading characters of the delimiter the text ends with
+
+
+class _Running:
+    def __init__(self, request: ProposeRequest, rows: list[_Row], cap: int) -> None:
+        self.request, self.rows, self.cap = request, rows, cap
+
+
+def entropy_estimate(top: Sequence[tuple[float, int]], temperature: float, vocab: int) -> float:
+    """Entropy (nats) of the sampling distribution from the top-k temperature-1 logprobs.
+
+    The k listed tokens get p_i^(1/T) (T = 1 for greedy, as on `hf`); the missing mass
+    r = 1 - sum p_i is taken as spread evenly over the other vocab - k tokens. Exact when k
+    covers the whole support; otherwise an estimate (at T = 1 an upper bound)."""
+    inv_t = 1.0 / temperature if temperature > 0 else 1.0
+    logs = [lp * inv_t for lp, _ in top]
+    rest = max(0.0, 1.0 - sum(math.exp(lp) for lp, _ in top))
+    others = max(0, vocab - len(top))
+    if rest > 0 and others:
+        tail_log = math.log(rest / others) * inv_t  # log q of one tail token
+        logs_all = logs + [tail_log + math.log(others)]  # the tail as one lump, for the partition
+    else:
+        tail_log, logs_all = None, logs
+    m = max(logs_all)
+    log_z = m + math.log(sum(math.exp(x - m) for x in logs_all))
+    h = -sum(math.exp(x - log_z) * (x - log_z) for x in logs)
+    if tail_log is not None:
+        h -= others * math.exp(tail_log - log_z) * (tail_log - log_z)
+    return h
+
+
+class SGLangEngine:
+    """One model served by an SGLang worker process (see the module docstring)."""
+
+    backend = "sglang"
+
+    def __init__(self, worker: Worker, tokenizer: Any, *, vocab_size: int, kv_shape: tuple[int, int, int, int],
+                 eos_ids: set[int], device: str) -> None:
+        self.worker, self.tokenizer = worker, tokenizer
+        self.vocab_size, self._kv_shape, self.eos_ids, self.device = vocab_size, kv_shape, eos_ids, device
+        self.clock = NULL_CLOCK
+        self.label = ""
+        self.waiting: deque[ProposeRequest] = deque()
+        self.running: list[_Running] = []
+        self._rows: dict[str, tuple[_Running, _Row]] = {}
+        self._scores: dict[str, Any] = {}
+        self._pieces: dict[int, str] = {}
+        self._used: dict[str, int] = {}  # rid -> tokens kvflow kept, of candidates it stopped
+        self.forwards = 0  # step() calls that received tokens (SGLang batches on its own)
+        self.rows_decoded = 0  # candidate rows that received tokens in them
+        self.counters = {"prompt_tokens": 0, "cached_tokens": 0, "requests": 0, "tokens_used": 0,
+                         "tokens_after_stop": 0, "aborted": 0}
+
+    def reset(self) -> None:
+        for r in self.running:
+            for row in r.rows:
+                if row.finish is None:
+                    self.worker.send("abort", row.rid)
+        self.waiting.clear()
+        self.running.clear()
+        self._rows.clear()
+
+    # ------------------------------------------------------------------ text and shapes
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def kv_shape(self) -> tuple[int, int, int, int]:
+        return self._kv_shape
+
+    def piece(self, token: int) -> str:
+        p = self._pieces.get(token)
+        if p is None:
+            p = self._pieces[token] = self.tokenizer.decode([token])
+        return p
+
+    def stats(self) -> dict:
+        """Prefix-cache hits and early-exit savings so far (for the run summary and benchmarks)."""
+        c = dict(self.counters)
+        c["prefix_cache_hit_rate"] = round(c["cached_tokens"] / c["prompt_tokens"], 4) if c["prompt_tokens"] else None
+        return c
+
+    # ------------------------------------------------------------------ states
+
+    def start(self, requests: Sequence[StartRequest]) -> list[SGLangState]:
+        for r in requests:
+            if getattr(r.evictor, "bounded", True):
+                raise EngineError("backend 'sglang' runs full-context proposers only (evictor kind 'none'); "
+                                  "put an evicted proposer's model on backend 'hf'")
+        return [SGLangState(self.encode(r.prompt)) for r in requests]
+
+    def sync(self, requests: Sequence[SyncRequest]) -> list[SGLangState]:
+        out = []
+        for r in requests:
+            if r.own_index is not None:
+                out.append(SGLangState(r.state.ids + list(r.proposal.candidates[r.own_index].token_ids)))
+            else:
+                out.append(SGLangState(r.state.ids + self.encode(r.text)))
+        return out
+
+    def release(self, states: Sequence[SGLangState], proposals: Sequence[Proposal] = ()) -> None:
+        pass  # a state is a token list; SGLang's radix cache evicts prefixes on its own
+
+    # ------------------------------------------------------------------ proposals
+
+    def submit(self, requests: Sequence[ProposeRequest]) -> None:
+        self.waiting.extend(requests)
+
+    def busy_rows(self) -> int:
+        return sum(r.request.spec.n for r in self.waiting) + sum(
+            1 for r in self.running for row in r.rows if row.finish is None)
+
+    def _admit(self, max_rows: Optional[int]) -> None:
+        busy = sum(1 for r in self.running for row in r.rows if row.finish is None)
+        while self.waiting and (max_rows is None or not self.running or busy + self.waiting[0].spec.n <= max_rows):
+            req = self.waiting.popleft()
+            spec = req.spec
+            cap = min(spec.max_step_tokens, max(1, req.token_room))
+            running = _Running(req, [], cap)
+            for i in range(spec.n):
+                row = _Row(self.worker.new_rid("p"))
+                running.rows.append(row)
+                self._rows[row.rid] = (running, row)
+                params = {"max_new_tokens": cap, "temperature": spec.temperature, "top_p": spec.top_p,
+                          "stop": [spec.delimiter] if spec.delimiter else [], "no_stop_trim": True,
+                          "skip_special_tokens": False}
+                if spec.temperature > 0:
+                    params["sampling_seed"] = row_seed(req.seed, i)
+                self.worker.send("generate", row.rid, req.state.ids, params, TOP_K)
+                self.counters["requests"] += 1
+            self.running.append(running)
+            busy += spec.n
+
+    def step(self, max_rows: Optional[int] = None) -> list[Proposal]:
+        self._admit(max_rows)
+        with self.clock.phase(f"forward:{self.label}"):
+            replies = self.worker.poll(_POLL_S if self.running else 0.0)
+        if self._take(replies):
+            self.forwards += 1
+        done = []
+        for r in list(self.running):
+            if all(row.finish is not None for row in r.rows):
+                self.running.remove(r)
+                done.append(self._finish(r))
+        return done
+
+    def _take(self, replies) -> int:
+        """Apply replies: streamed tokens first (with stop rules and pruners), then the ends
+        the engine reported. Returns the number of candidate rows that got tokens."""
+        fresh: dict[int, tuple[_Running, list[tuple[_Row, list]]]] = {}
+        ends: list = []
+        for msg in replies:
+            self._dispatch(msg, fresh, ends)
+        rows = sum(len({id(row) for row, _ in v[1]}) for v in fresh.values())
+        self.rows_decoded += rows
+        with self.clock.phase("prune"):
+            for running, arrivals in fresh.values():
+                self._advance(running, arrivals)
+        for row, reason in ends:
+            if row.finish is None:  # the engine stopped it first: the cap (anything else, kvflow saw)
+                row.finish = "max_step_tokens" if reason.get("type") == "length" else _engine_finish(reason)
+        return rows
+
+    def _dispatch(self, msg, fresh, ends) -> None:
+        kind, rid = msg[0], msg[1]
+        if kind in ("scored",) or (kind == "error" and rid in self._scores):
+            self._scores[rid] = msg
+            return
+        owner = self._rows.get(rid)
+        if owner is None:
+            if kind == "end":  # a candidate kvflow stopped: what the engine made after the stop
+                used = msg[3].get("completion_tokens") or 0
+                self.counters["tokens_after_stop"] += max(0, used - self._used.pop(rid, used))
+                self._count_prefix(msg[3])
+            return
+        running, row = owner
+        if kind == "tokens":
+            entry = fresh.setdefault(id(running), (running, []))
+            entry[1].append((row, list(zip(msg[2], msg[3], msg[4]))))
+        elif kind == "end":
+            self._count_prefix(msg[3])
+            ends.append((row, msg[2]))
+            self._rows.pop(rid, None)
+        elif kind == "error":
+            raise EngineError(f"{self.worker.where}: SGLang request failed: {msg[2]}")
+
+    def _count_prefix(self, meta: dict) -> None:
+        self.counters["prompt_tokens"] += meta.get("prompt_tokens") or 0
+        self.counters["cached_tokens"] += meta.get("cached_tokens") or 0
+
+    def _advance(self, running: _Running, arrivals: list) -> None:
+        """Apply the newly streamed tokens one position at a time, with the stop rules and the
+        pruners after each (as on `hf`), so a candidate ends exactly where `hf` would end it."""
+        spec = running.request.spec
+        queue: dict[int, tuple[_Row, deque]] = {}
+        for row, toks in arrivals:  # a row may have several messages in one poll
+            queue.setdefault(id(row), (row, deque()))[1].extend(toks)
+        while True:
+            live = [(row, q.popleft()) for row, q in queue.values() if q and row.finish is None]
+            if not live:
+                break
+            for row, (tok, lp, top) in live:
+                row.tokens.append(tok)
+                row.logprobs.append(lp)
+                row.entropies.append(entropy_estimate(top, spec.temperature, self.vocab_size))
+                row.text += self.piece(tok)
+                if tok in self.eos_ids:
+                    row.finish = "eos"
+                elif spec.delimiter and _ends_delimiter(row, self.piece(tok), spec.delimiter):
+                    row.finish = "delimiter"
+                elif len(row.tokens) >= running.cap:
+                    row.finish = "max_step_tokens"
+            rows = [row for row, _ in live if row.finish is None]
+            if spec.pruners and rows:
+                self._prune(spec, rows)
+            for row, _ in live:
+                if row.finish is not None and row.rid in self._rows:
+                    self._stop(row)
+
+    def _prune(self, spec, rows: list[_Row]) -> None:
+        import torch
+
+        width = max(len(r.entropies) for r in rows)
+        ent = torch.zeros(len(rows), width)
+        for i, r in enumerate(rows):
+            ent[i, : len(r.entropies)] = torch.tensor(r.entropies)
+        trace = StepTrace(ent, torch.tensor([len(r.tokens) for r in rows]), [r.text for r in rows])
+        flagged = torch.zeros(len(rows), dtype=torch.bool)
+        for name, pruner in spec.pruners:
+            if spec.record_signals:
+                for r, v in zip(rows, pruner.signal(trace).tolist()):
+                    r.signals.setdefault(name, []).append(v)
+            hit = pruner.check(trace).cpu() & ~flagged
+            for i in hit.nonzero().flatten().tolist():
+                rows[i].finish = f"pruned:{name}"
+            flagged |= hit
+
+    def _stop(self, row: _Row) -> None:
+        """kvflow ended this candidate: stop it in the engine (unless the engine stops it too)."""
+        self._rows.pop(row.rid, None)
+        self._used[row.rid] = len(row.tokens)
+        if row.finish.startswith("pruned:") or row.finish == "delimiter":
+            self.worker.send("abort", row.rid)
+            self.counters["aborted"] += row.finish.startswith("pruned:")
+
+    def _finish(self, r: _Running) -> Proposal:
+        cands = []
+        self.counters["tokens_used"] += sum(len(row.tokens) for row in r.rows)
+        for i, row in enumerate(r.rows):
+            ids = row.tokens
+            text_ids = ids[:-1] if row.finish == "eos" else ids
+            cands.append(Candidate(problem=0, source=r.request.proposer, index=i, token_ids=list(ids),
+                                   text=self.tokenizer.decode(text_ids), logprobs=row.logprobs,
+                                   entropies=row.entropies, finish=row.finish, signals=row.signals))
+        return Proposal(r.request, cands)
+
+    # ------------------------------------------------------------------ scoring
+
+    def scoring_session(self):
+        return SGLangScoringSession(self)
+
+    def score_ids(self, sequences: Sequence[tuple[list[int], int]]) -> list[list[float]]:
+        """log p of ids[start:] given what precedes, for each (ids, start): prompt logprobs."""
+        rids = []
+        for ids, start in sequences:
+            rid = self.worker.new_rid("s")
+            self._scores[rid] = None
+            self.worker.send("score", rid, ids, start)
+            rids.append(rid)
+        deadline = time.monotonic() + 3600
+        while any(self._scores[r] is None for r in rids):
+            if time.monotonic() > deadline:
+                raise EngineError(f"{self.worker.where}: SGLang scoring timed out")
+            self._take(self.worker.poll(_POLL_S))  # proposals keep streaming meanwhile
+        out = []
+        for rid in rids:
+            msg = self._scores.pop(rid)
+            if msg[0] == "error":
+                raise EngineError(f"{self.worker.where}: SGLang scoring failed: {msg[2]}")
+            self._count_prefix(msg[3])
+            out.append([float(x) for x in msg[2]])
+        return out
+
+
+def _ends_delimiter(row: _Row, piece: str, delimiter: str) -> bool:
+    """KMP over the token's characters: does this piece complete the delimiter?"""
+    state = row.match
+    hit = False
+    for ch in piece:
+        state = _kmp(delimiter, state, ch)
+        if state == len(delimiter):
+            hit, state = True, 0
+            break
+    row.match = state
+    return hit
+
+
+def _kmp(pattern: str, state: int, ch: str) -> int:
+    text = pattern[:state] + ch
+    for k in range(min(len(text), len(pattern)), 0, -1):
+        if text.endswith(pattern[:k]):
+            return k
+    return 0
+
+
+def _engine_finish(reason: dict) -> str:
+    matched = reason.get("matched")
+    if isinstance(matched, int):
+        return "eos"
+    return "delimiter" if matched is not None else "max_step_tokens"
+
+
+class SGLangScoringSession:
+    """Full-context token log-probabilities of candidate steps, from SGLang's prompt logprobs
+    (the trajectory prefix is served from the radix cache). Same contract as `hf`'s session."""
+
+    def __init__(self, engine: SGLangEngine) -> None:
+        self.engine = engine
+        self._context: dict[str, tuple[list[int], int]] = {}  # problem -> (ids, steps included)
+
+    def _ids(self, t) -> list[int]:
+        ids, n = self._context.get(t.problem_id) or (self.engine.encode(t.prompt), 0)
+        if n < len(t.steps):
+            ids = ids + [i for s in t.steps[n:] for i in self.engine.encode(s.text)]
+        self._context[t.problem_id] = (ids, len(t.steps))
+        return ids
+
+    def token_logprobs(self, trajectories, texts) -> list[list[float]]:
+        seqs = []
+        for t, text in zip(trajectories, texts):
+            ctx = self._ids(t)
+            seqs.append((ctx + self.engine.encode(text), len(ctx)))
+        return self.engine.score_ids(seqs)
+
+    def release(self, problem_ids) -> None:
+        for pid in problem_ids:
+            self._context.pop(pid, None)

@@ -1,0 +1,74 @@
+"""kvflow's SGLang plugin (entry point group `sglang.srt.plugins`): seeded sampling per request.
+
+SGLang samples from a per-request seed (`sampling_params["sampling_seed"]`, hashed with the
+token's position: the same seed and prefix give the same tokens, whatever shares the batch)
+only under `enable_deterministic_inference`, which refuses the CPU's `torch_native`
+attention backend, and whose CPU hash lives in the CPU build of `sgl_kernel` (not on PyPI).
+This plugin fills the batch's seed tensor from the requests' own seeds whenever SGLang left
+it empty (a request that gave no seed gets a fresh random one, as it would draw without the
+plugin), and replaces SGLang's seeded draw (`multinomial_with_seed`: Gumbel-max over a hash
+of seed, position and token id) with the same draw over a pure-torch hash, so that seeded
+sampling runs on every backend and device. The tokens differ from SGLang's own seeded ones
+(another hash), not the distribution.
+
+It acts only in engines that kvflow's worker started (`KVFLOW_SGLANG=1` in the environment,
+which SGLang's spawned processes inherit); in any other SGLang it registers nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+_SEEDS = "sglang.srt.sampling.sampling_batch_info.SamplingBatchInfo.from_schedule_batch"
+_DRAW = "sglang.srt.layers.sampler.multinomial_with_seed"
+_rng = random.SystemRandom()
+
+
+def register() -> None:
+    if os.environ.get("KVFLOW_SGLANG") != "1":
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(_SEEDS, _seed_rows, HookType.AFTER)
+    HookRegistry.register(_DRAW, seeded_draw, HookType.REPLACE)
+
+
+def _seed_rows(info, *args, **kwargs):
+    if info is None or getattr(info, "sampling_seed", None) is not None:
+        return info
+    batch = kwargs.get("batch") or next(a for a in args if hasattr(a, "reqs"))
+    import torch
+
+    seeds = [r.sampling_params.sampling_seed for r in batch.reqs]
+    seeds = [s if s is not None else _rng.getrandbits(63) for s in seeds]
+    info.sampling_seed = torch.tensor(seeds, dtype=torch.int64, device=info.temperatures.device)
+    return info
+
+
+def _signed(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_GOLDEN, _MIX1, _MIX2 = (_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _shr(x, k: int):
+    return (x >> k) & ((1 << (64 - k)) - 1)  # logical shift of int64 (torch's >> is arithmetic)
+
+
+def seeded_draw(logprobs, seed, positions):
+    """Gumbel-max: argmax over tokens of logprobs + Gumbel noise, the noise a splitmix64 hash
+    of (seed, position, token id). logprobs [rows, vocab] (any float; -inf allowed), seed and
+    positions [rows] integers; returns [rows, 1] int64 token indices."""
+    import torch
+
+    rows, vocab = logprobs.shape
+    cols = torch.arange(1, vocab + 1, device=logprobs.device, dtype=torch.int64)
+    x = (seed.to(torch.int64) * _GOLDEN + positions.to(torch.int64) * _MIX1)[:, None] + cols[None, :] * _MIX2
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    x = x ^ _shr(x, 31)
+    u = (_shr(x, 40).to(torch.float64) + 0.5) * 2.0**-24  # (0, 1)
+    gumbel = -torch.log(-torch.log(u))
+    return torch.argmax(logprobs.to(torch.float64) + gumbel, dim=1, keepdim=True)

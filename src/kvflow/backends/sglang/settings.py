@@ -1,0 +1,163 @@
+"""SGLang engine arguments for a model entry, and loading an `SGLangEngine`.
+
+A model entry's `engine:` mapping is passed to `sglang.Engine` as server arguments (tensor
+and data parallel sizes, memory fraction, attention backend, context length, ...), over
+kvflow's defaults for the device; names are checked against SGLang's own `ServerArgs`
+fields, with "did you mean". kvflow sets the model, tokenizer, dtype, device and
+remote-code arguments from the entry itself, so those are refused under `engine:`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+#: kvflow's own settings; the model entry's keys of the same meaning are used instead
+RESERVED = {"model_path": "id", "tokenizer_path": "tokenizer", "dtype": "dtype", "device": "device",
+            "trust_remote_code": "trust_remote_code", "revision": "revision", "skip_tokenizer_init": None}
+
+#: defaults on every device: overlap scheduling off (kvflow's plugin hooks see the batch that
+#: runs), quiet logs
+COMMON = {"log_level": "error", "disable_overlap_schedule": True}
+
+#: defaults without a GPU: kvflow's CPU platform (pure-torch kernels), no CUDA graphs, and a
+#: bounded token pool (SGLang would size it from the machine's whole memory)
+CPU = {"attention_backend": "torch_native", "sampling_backend": "pytorch", "disable_cuda_graph": True,
+       "max_total_tokens": 65536, "mem_fraction_static": 0.3}
+
+
+def check_installed() -> Optional[str]:
+    if importlib.util.find_spec("sglang") is None:
+        return ("SGLang is not installed in this environment: run `scripts/install.sh sglang` "
+                "(the CPU recipe where there is no GPU; docs/backends.md)")
+    version = _version()
+    if version not in _supported():
+        return (f"SGLang {version} is installed; kvflow's sglang backend is tested with "
+                f"{', '.join(_supported())} only (install it with `scripts/install.sh sglang`)")
+    return None
+
+
+def _supported():
+    from kvflow.backends.sglang import SUPPORTED_VERSIONS
+
+    return SUPPORTED_VERSIONS
+
+
+def _version() -> str:
+    from importlib.metadata import version
+
+    return version("sglang")
+
+
+@functools.lru_cache(maxsize=1)
+def server_arg_names() -> frozenset[str]:
+    import inspect
+
+    from sglang.srt.server_args import ServerArgs  # a msgspec Struct: its constructor lists the fields
+
+    return frozenset(inspect.signature(ServerArgs).parameters)
+
+
+def check_settings(model_cfg) -> Optional[tuple[str, str]]:
+    import difflib
+
+    names = server_arg_names()
+    for key in (model_cfg.engine or {}):
+        if key in RESERVED:
+            own = RESERVED[key]
+            return (f"engine.{key}", f"`{key}` is set by kvflow" + (f" from the model entry's `{own}`" if own else ""))
+        if key not in names:
+            close = difflib.get_close_matches(key, sorted(names), n=1, cutoff=0.6)
+            hint = f"; did you mean '{close[0]}'?" if close else "; `python -m sglang.launch_server --help` lists them"
+            return (f"engine.{key}", f"unknown SGLang server argument '{key}'{hint}")
+    return None
+
+
+def check_model(model_cfg) -> Optional[str]:
+    from kvflow.models.loading import check_available, resolve_source
+
+    why = check_available(model_cfg)
+    if why:
+        return why
+    src = resolve_source(model_cfg.id, model_cfg.gguf_file)
+    if src.kind == "gguf" or src.gguf_file:
+        return "backend 'sglang' serves transformers directories and catalog models, not GGUF files"
+    if src.kind == "dir":
+        config = Path(src.ref) / "config.json"
+        try:
+            arch = json.loads(config.read_text()).get("architectures")
+        except (OSError, ValueError) as e:
+            return f"{config}: {e}"
+        if not arch:
+            return f"{config} names no `architectures` (SGLang picks its model class from it)"
+    return None
+
+
+def engine_kwargs(model_cfg) -> dict:
+    """The `sglang.Engine` arguments of a model entry (its directory must exist)."""
+    from kvflow.models.loading import model_directory, resolve_device
+
+    device = resolve_device(model_cfg.device)
+    kwargs: dict[str, Any] = {"model_path": str(model_directory(model_cfg)), "dtype": model_cfg.dtype,
+                              "device": "cpu" if device == "cpu" else "cuda",
+                              "trust_remote_code": bool(model_cfg.trust_remote_code)}
+    if model_cfg.tokenizer:
+        kwargs["tokenizer_path"] = str(model_directory(model_cfg, tokenizer=True))
+    if model_cfg.revision:
+        kwargs["revision"] = model_cfg.revision
+    kwargs.update(COMMON)
+    if device == "cpu":
+        kwargs.update(CPU)
+    kwargs.update(model_cfg.engine or {})
+    return kwargs
+
+
+_ENGINES: dict[tuple, Any] = {}
+
+
+def load_engine(model_cfg):
+    """The engine of a model entry; entries with the same engine arguments share one (one
+    SGLang worker, one set of weights)."""
+    from kvflow.backends.sglang.client import shared
+    from kvflow.backends.sglang.engine import SGLangEngine
+
+    kwargs = engine_kwargs(model_cfg)
+    worker = shared(kwargs, f"models entry {model_cfg.id!r} (backend sglang)")
+    engine = _ENGINES.get(id(worker))
+    if engine is None or engine.worker is not worker:
+        from transformers import AutoConfig, AutoTokenizer
+
+        path = kwargs.get("tokenizer_path", kwargs["model_path"])
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=kwargs["trust_remote_code"])
+        config = AutoConfig.from_pretrained(kwargs["model_path"], trust_remote_code=kwargs["trust_remote_code"])
+        engine = SGLangEngine(worker, tokenizer, vocab_size=config.vocab_size, kv_shape=_kv_shape(config, model_cfg.dtype),
+                              eos_ids=_eos_ids(kwargs["model_path"], config, tokenizer), device=kwargs["device"])
+        _ENGINES[id(worker)] = engine
+    engine.reset()
+    return engine
+
+
+def _kv_shape(config, dtype: str) -> tuple[int, int, int, int]:
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    elem = 4 if dtype == "float32" else 2
+    return (config.num_hidden_layers, heads, head_dim, elem)
+
+
+def _eos_ids(path: str, config, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    sources = [config, tokenizer]
+    try:
+        from transformers import GenerationConfig
+
+        sources.insert(0, GenerationConfig.from_pretrained(path))
+    except (OSError, ValueError):
+        pass
+    for source in sources:
+        eos = getattr(source, "eos_token_id", None)
+        if eos is not None:
+            ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    return {int(i) for i in ids}

@@ -1,0 +1,160 @@
+"""The SGLang worker: one `sglang.Engine` in a process of its own, driven over a pipe.
+
+    python -m kvflow.backends.sglang.worker     # started by kvflow.backends.sglang.client
+
+Why a process of its own: SGLang spawns its scheduler and detokenizer processes and SIGKILLs
+its parent when one of them dies, so the parent must be expendable — a crashed engine then
+costs this worker, and kvflow's own process reports it and can resume.
+
+Protocol (`frames`: 4-byte little-endian length + pickle, stdin → requests, stdout →
+replies; SGLang's own prints go to stderr):
+    → {"engine": kwargs}                      first frame: build the engine
+    ← ("ready", info)                        info: sglang version, server args in effect
+    → ("generate", rid, input_ids, sampling_params, top_logprobs)
+    ← ("tokens", rid, ids, logprobs, top)    new tokens as they stream (deltas)
+    ← ("end", rid, finish, meta)             finish: SGLang's finish_reason
+    → ("score", rid, input_ids, start)       log-probabilities of input_ids[start:]
+    ← ("scored", rid, logprobs, meta)
+    → ("abort", rid)                         the request ends soon with finish type "abort"
+    → ("shutdown",)
+    ← ("error", rid, message)                a request failed (rid None: the worker failed)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import struct
+import sys
+import threading
+import traceback
+
+
+def write_frame(stream, obj) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(struct.pack("<I", len(data)) + data)
+    stream.flush()
+
+
+def read_frame(stream):
+    """The next frame, or None at end of stream."""
+    head = stream.read(4)
+    if len(head) < 4:
+        return None
+    (n,) = struct.unpack("<I", head)
+    data = stream.read(n)
+    if len(data) < n:
+        return None
+    return pickle.loads(data)
+
+
+class _Worker:
+    def __init__(self, engine, out) -> None:
+        self.engine, self.out = engine, out
+        self.loop = engine.loop
+        self.tasks: dict[str, asyncio.Task] = {}
+
+    def send(self, *msg) -> None:
+        write_frame(self.out, msg)
+
+    async def generate(self, rid, input_ids, sampling_params, top_logprobs) -> None:
+        sent = 0
+        try:
+            stream = await self.engine.async_generate(
+                input_ids=input_ids, sampling_params=sampling_params, return_logprob=True,
+                top_logprobs_num=top_logprobs, stream=True, rid=rid)
+            async for chunk in stream:
+                ids, meta = chunk["output_ids"], chunk["meta_info"]
+                lps = meta.get("output_token_logprobs") or []
+                top = meta.get("output_top_logprobs") or []
+                if len(ids) > sent:
+                    self.send("tokens", rid, ids[sent:], [x[0] for x in lps[sent:len(ids)]],
+                              [[(t[0], t[1]) for t in (row or [])] for row in top[sent:len(ids)]])
+                    sent = len(ids)
+                if meta.get("finish_reason") is not None:
+                    self.send("end", rid, meta["finish_reason"], _meta(meta))
+                    return
+            self.send("end", rid, {"type": "abort"}, {})
+        except Exception as exc:  # noqa: BLE001 - reported to the client, the worker goes on
+            self.send("error", rid, f"{type(exc).__name__}: {exc}")
+        finally:
+            self.tasks.pop(rid, None)
+
+    async def score(self, rid, input_ids, start) -> None:
+        try:
+            out = await self.engine.async_generate(
+                input_ids=input_ids, sampling_params={"max_new_tokens": 0}, return_logprob=True,
+                logprob_start_len=max(0, start - 1), rid=rid)
+            lps = [x[0] for x in out["meta_info"]["input_token_logprobs"]]
+            # the first entry (the token before `start`, or the first token) has no logprob
+            self.send("scored", rid, lps[1:] if start > 0 else lps[1:], _meta(out["meta_info"]))
+        except Exception as exc:  # noqa: BLE001
+            self.send("error", rid, f"{type(exc).__name__}: {exc}")
+        finally:
+            self.tasks.pop(rid, None)
+
+    def handle(self, msg) -> bool:
+        kind = msg[0]
+        if kind == "generate":
+            self.tasks[msg[1]] = self.loop.create_task(self.generate(*msg[1:]))
+        elif kind == "score":
+            self.tasks[msg[1]] = self.loop.create_task(self.score(*msg[1:]))
+        elif kind == "abort":
+            if msg[1] in self.tasks:
+                self.engine.tokenizer_manager.abort_request(msg[1])
+        elif kind == "shutdown":
+            return False
+        return True
+
+    async def serve(self, inbox: asyncio.Queue) -> None:
+        while True:
+            msg = await inbox.get()
+            if msg is None or not self.handle(msg):
+                return
+
+
+def _meta(meta: dict) -> dict:
+    return {k: meta.get(k) for k in ("prompt_tokens", "cached_tokens", "completion_tokens")}
+
+
+def _read_requests(stream, loop, inbox: asyncio.Queue) -> None:
+    while True:
+        msg = read_frame(stream)
+        loop.call_soon_threadsafe(inbox.put_nowait, msg)
+        if msg is None:
+            return
+
+
+def main() -> int:
+    out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # SGLang's prints must not reach the pipe
+    inp = sys.stdin.buffer
+    first = read_frame(inp)
+    if not first:
+        return 2
+    # the logprobs kvflow promises are the model's own (temperature 1); the plugin seeds rows
+    os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
+    os.environ["KVFLOW_SGLANG"] = "1"
+    try:
+        import sglang
+
+        engine = sglang.Engine(**first["engine"])
+    except BaseException as exc:  # noqa: BLE001 - the client shows it, naming the model entry
+        write_frame(out, ("error", None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"))
+        return 1
+    args = engine.server_args
+    write_frame(out, ("ready", {"version": sglang.__version__, "max_total_tokens": getattr(args, "max_total_tokens", None),
+                                "context_length": getattr(args, "context_length", None)}))
+    worker = _Worker(engine, out)
+    inbox: asyncio.Queue = asyncio.Queue()
+    threading.Thread(target=_read_requests, args=(inp, worker.loop, inbox), daemon=True).start()
+    try:
+        worker.loop.run_until_complete(worker.serve(inbox))
+    finally:
+        engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
