@@ -16,7 +16,7 @@ EXAMPLE_PLUGINS := $(sort $(wildcard plugins/kvflow-example-*))
 # Install the dev and docs extras and the example plugins, then run the test suite (which
 # also builds the docs, strict, and runs the example plugins' tests: see pyproject testpaths).
 test:
-	bash scripts/install.sh dev,docs
+	bash scripts/install.sh dev,docs,sglang
 	$(VENV)/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps \
 		$(addprefix -e ,$(EXAMPLE_PLUGINS))
 	$(VENV)/bin/python -m pytest

@@ -2,8 +2,14 @@
 # Create ./.venv (or $VENV) and install kvflow into it, editable, with optional extras.
 #   scripts/install.sh            # kvflow only
 #   scripts/install.sh dev,docs   # plus test and docs tools
+#   scripts/install.sh dev,docs,sglang   # plus SGLang (the `sglang` backend)
 # torch: with an NVIDIA GPU, PyPI's default (CUDA) build; without one, the CPU build of
 # torch 2.13.0 (set KVFLOW_TORCH_INDEX to a CPU wheel index where PyPI would give CUDA).
+# sglang: SGLang 0.5.23 needs torch 2.14.1 (PyPI's build, which also runs on a CPU). With a GPU
+# it is installed the ordinary way; without one, the CPU recipe: sglang without its CUDA-only
+# dependencies, the pure-Python set it needs (scripts/sglang-cpu-requirements.txt) and
+# kvflow's out-of-tree CPU platform (plugins/kvflow-sglang-cpu). Either way transformers stays
+# in kvflow's range (SGLang pins 5.19.0; kvflow's CI runs it on kvflow's version).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-}"
@@ -14,7 +20,18 @@ python="${PYTHON:-python3}"
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
 "${pip[@]}" install -q --upgrade "pip>=24"
 
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+gpu=0
+command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && gpu=1
+sglang=0
+case ",$extras," in *,sglang,*) sglang=1 ;; esac
+extras=$(echo "$extras" | tr ',' '\n' | grep -vx sglang | paste -sd, -)  # not a pip extra: see above
+
+if [ "$sglang" = 1 ]; then
+  if ! "$venv/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.14.1')" 2>/dev/null; then
+    echo "install: sglang: torch 2.14.1 and torchvision 0.29.1" >&2
+    "${pip[@]}" install -q "torch==2.14.1" "torchvision==0.29.1"
+  fi
+elif [ "$gpu" = 1 ]; then
   echo "install: NVIDIA GPU found: default torch build" >&2
   "${pip[@]}" install -q "torch>=2.4,<2.15"
 elif ! "$venv/bin/python" -c "import torch" >/dev/null 2>&1; then
@@ -29,4 +46,17 @@ fi
 spec="."
 [ -n "$extras" ] && spec=".[${extras}]"
 "${pip[@]}" install -q -e "$spec"
+
+if [ "$sglang" = 1 ]; then
+  if [ "$gpu" = 1 ]; then
+    echo "install: sglang 0.5.23 (GPU)" >&2
+    "${pip[@]}" install -q "sglang==0.5.23"
+  else
+    echo "install: sglang 0.5.23, CPU recipe" >&2
+    "${pip[@]}" install -q --no-deps "sglang==0.5.23"
+    "${pip[@]}" install -q -r scripts/sglang-cpu-requirements.txt
+    "${pip[@]}" install -q --no-deps -e plugins/kvflow-sglang-cpu
+  fi
+  "${pip[@]}" install -q -e "$spec"  # back to kvflow's own transformers/tokenizers range
+fi
 "$venv/bin/kvflow" --version

@@ -46,6 +46,27 @@ def cli():
     return lambda *args, **kw: runner.invoke(app, [str(a) for a in args], **kw)
 
 
+def require_sglang() -> None:
+    """Skip a test that needs SGLang where it is not installed, except in CI (`CI` set), where
+    `make test` installs it and a skipped SGLang test would hide a broken install."""
+    from kvflow.backends.sglang.settings import check_installed
+
+    why = check_installed()
+    if why:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI runs the SGLang tests, but: {why}")
+        pytest.skip(why)
+
+
+@pytest.fixture(scope="session")
+def shared_tiny_qwen(tmp_path_factory):
+    """One tiny Qwen2 directory for the whole session, so that every SGLang test on it shares
+    one engine (an SGLang engine takes ~20 s to start on a CPU)."""
+    from kvflow.testing.pipelines import tiny_model_dir
+
+    return tiny_model_dir(tmp_path_factory.mktemp("shared-models"), "qwen2", seed=3)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_registry():
     """Tests that install their own process-wide registry must not leak it."""

@@ -9,6 +9,8 @@ from kvflow.config.schema import ModelConfig
 from kvflow.registry import get_registry
 from kvflow.testing.engine_contract import EngineContract
 
+from conftest import require_sglang
+
 NAMES = get_registry().names("backends")
 
 
@@ -17,10 +19,16 @@ def test_hf_is_registered():
 
 
 class TestRegisteredEngines(EngineContract):
+    @pytest.fixture(scope="class")
+    def contract_model_dir(self, shared_tiny_qwen):
+        return shared_tiny_qwen  # the SGLang tests share its engine
+
     @pytest.fixture(scope="class", params=NAMES)
     def engine_factory(self, request):
         backend = request.param
         cls = get_registry().get("backends", backend)
+        if backend == "sglang":
+            require_sglang()
 
         def load(model_dir):
             cfg = ModelConfig(id=str(model_dir), backend=backend, dtype="float32", device="cpu")

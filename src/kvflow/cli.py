@@ -32,7 +32,7 @@ import click
 import typer
 
 import kvflow
-from kvflow.errors import EXIT_INTERRUPTED, EXIT_PLUGIN_ERROR, EXIT_USER_ERROR, PluginError, UserError
+from kvflow.errors import EXIT_INTERRUPTED, EXIT_PLUGIN_ERROR, EXIT_USER_ERROR, KvflowError, PluginError, UserError
 
 app = typer.Typer(
     name="kvflow",
@@ -62,6 +62,9 @@ def _errors(interrupted: str = "kvflow: interrupted") -> Iterator[None]:
     except PluginError as e:
         _err(f"kvflow: plugin error: {e}")
         raise typer.Exit(EXIT_PLUGIN_ERROR) from None
+    except KvflowError as e:  # e.g. an engine worker that died: its own words, no traceback
+        _err(f"kvflow: {e}")
+        raise typer.Exit(e.exit_code) from None
     except KeyboardInterrupt:
         _err(interrupted)
         raise typer.Exit(EXIT_INTERRUPTED) from None

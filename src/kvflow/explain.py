@@ -258,18 +258,38 @@ def explain_lines(loaded: "LoadedPipeline", registry: Optional["Registry"] = Non
                f"{r.live_problems or 2 * r.batch_problems}, output={r.output}/{pipe.name}__{loaded.hash}")
     engines: dict[tuple, list[str]] = {}  # model entries that load the same weights share one engine
     keys: dict[tuple, list[str]] = {}
+    settings: dict[tuple, dict] = {}
+
+    def ident_of(key: str) -> tuple:
+        m = pipe.models.get(key)
+        if m is None:
+            return (key,)
+        ident = (m.backend, m.id, m.dtype, m.device, m.gguf_file, m.tokenizer, m.revision, repr(sorted(m.engine.items())))
+        settings[ident] = m.engine
+        if key not in keys.setdefault(ident, []):
+            keys[ident].append(key)
+        return ident
+
     for pname, prop in pipe.proposers.items():
-        m = pipe.models.get(prop.model)
-        ident = (m.backend, m.id, m.dtype, m.device, m.gguf_file, m.tokenizer, m.revision) if m else (prop.model,)
-        engines.setdefault(ident, []).append(pname)
-        if prop.model not in keys.setdefault(ident, []):
-            keys[ident].append(prop.model)
+        engines.setdefault(ident_of(prop.model), []).append(pname)
+    scorer_engine = None
+    if isinstance(smodel, str) and scorer.cls.models_needed(scorer.params) and not getattr(scorer.cls, "backends", None):
+        scorer_engine = ident_of(smodel)  # scored through that model's engine (a scoring session)
+        engines.setdefault(scorer_engine, [])
     out.append("engines (one per model; proposers on one model decode in one forward per token; each model "
                f"decodes at most batch_problems x its candidates per problem rows):")
     for ident, names in engines.items():
         rows = r.batch_problems * sum(pipe.proposers[n].n for n in names)
         backend = ident[0] if len(ident) > 1 else "?"
-        out.append(f"  models {' = '.join(keys[ident])} [{backend}]: {', '.join(names)} (up to {rows} rows per forward)")
+        what = ", ".join(names) + (f" (up to {rows} rows per forward)" if names else "")
+        if ident == scorer_engine:
+            what += ("; " if names else "") + f"scorer {pipe.scorer.kind}"
+        out.append(f"  models {' = '.join(keys.get(ident, [ident[0]]))} [{backend}]: {what}")
+        if settings.get(ident):
+            out.append("    engine settings: " + ", ".join(f"{k}={v}" for k, v in settings[ident].items()))
+        if backend == "sglang":
+            out.append("    SGLang in a worker process; full context, prefix kept in its radix cache; "
+                       "kvflow's defaults where no GPU: " + ", ".join(f"{k}={v}" for k, v in _sglang_cpu_defaults().items()))
 
     out.append("")
     out.append("KV memory per sequence (estimate; K and V of every layer, at the model's dtype):")
@@ -316,3 +336,9 @@ def explain_command(file: Union[str, os.PathLike], *, sets=(), unsets=(), regist
     for line in explain_lines(loaded, registry):
         echo(line)
     return loaded
+
+
+def _sglang_cpu_defaults() -> dict:
+    from kvflow.backends.sglang.settings import CPU, COMMON
+
+    return {**COMMON, **CPU}

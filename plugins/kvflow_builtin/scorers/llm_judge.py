@@ -52,6 +52,9 @@ class LLMJudgeScorer(StepScorer):
 
     Params = JudgeParams
 
+    #: the judge reads two label logits through transformers (PositionForward)
+    backends = ("hf",)
+
     @classmethod
     def models_needed(cls, params):
         return [params.model]

@@ -105,6 +105,8 @@ class PRMScorer(StepScorer):
     """Process reward model score of the newest step (or an aggregate over the trajectory)."""
 
     Params = PRMParams
+    #: the reward model runs through transformers here (its own head); SGLang's reward path is not wired in
+    backends = ("hf",)
 
     @classmethod
     def models_needed(cls, params):

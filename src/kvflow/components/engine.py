@@ -115,6 +115,8 @@ class Engine(Protocol):
     clock: object  # a kvflow.timing clock the scheduler sets; forwards run inside `clock.phase("forward:...")`
     forwards: int  # decode forwards run so far (occupancy = rows_decoded / forwards / bound)
     rows_decoded: int  # candidate rows fed to those forwards, summed
+    # optional: `evicts = False` for an engine that runs full-context proposers only, and
+    # `exact_entropy = False` for one that estimates entropies (the contract suite adapts)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` without special tokens."""

@@ -39,6 +39,15 @@ def check_models(loaded: LoadedPipeline, registry=None) -> None:
             problems.append(loaded.problem(f"models.{key}.{why[0]}", why[1]))
         elif why:
             problems.append(loaded.problem(f"models.{key}.id", f"model {cfg.id!r} is not available: {why}", CPU_HINT))
+    scorer = loaded.components.scorer
+    allowed = getattr(scorer.cls, "backends", None)  # a scorer that runs its model its own way
+    for key in scorer.cls.models_needed(scorer.params):
+        backend = loaded.pipeline.models[key].backend
+        if allowed is not None and backend not in allowed:
+            problems.append(loaded.problem(
+                f"models.{key}.backend", f"scorer '{loaded.pipeline.scorer.kind}' runs its model on backend "
+                f"{' or '.join(repr(b) for b in allowed)} only, not '{backend}'",
+                f"set models.{key}.backend: {allowed[0]} (or score with `likelihood`, which runs on any engine)"))
     for name, prop in loaded.pipeline.proposers.items():
         backend = loaded.pipeline.models[prop.model].backend
         if prop.evictor.kind != "none" and not getattr(registry.get("backends", backend), "evicts", True):

@@ -149,9 +149,17 @@ class EngineContract:
         layers, heads, dim, elem = engine.kv_shape()
         assert layers >= 1 and heads >= 1 and dim >= 1 and elem in (2, 4)
 
+    def evictor(self, engine, kind: str, budget: int = 400):
+        """The full cache, or an evicting one (skips the test on an engine that does not evict)."""
+        if kind == "full":
+            return _full()
+        if not getattr(engine, "evicts", True):
+            pytest.skip(f"the {engine.backend} engine runs full-context proposers only")
+        return _evicting(budget)
+
     @pytest.mark.parametrize("evictor", ["full", "budget-above-length"])
     def test_greedy_proposal_equals_generate(self, engine, reference, evictor):
-        ev = _full() if evictor == "full" else _evicting(400)
+        ev = self.evictor(engine, evictor)
         prompts = [self.prompt(reference, i) for i in range(2)]
         states = engine.start([StartRequest(p, ev, 7) for p in prompts])
         spec = SamplingSpec(1, 0.0, 1.0, 24, NO_DELIMITER)
@@ -161,7 +169,9 @@ class EngineContract:
             ids, logprobs, entropies = self.greedy(reference, prompt, 24, scores=True)
             assert c.token_ids == self.until_eos(ids, self.eos(reference))
             assert c.logprobs == pytest.approx(logprobs[: c.n_tokens], abs=1e-4)  # the model's own, temperature 1
-            assert c.entropies == pytest.approx(entropies[: c.n_tokens], abs=1e-3)
+            # an engine that estimates entropies (from top-k logprobs) says so and stays close
+            tol = dict(abs=1e-3) if getattr(engine, "exact_entropy", True) else dict(rel=0.02, abs=0.02)
+            assert c.entropies == pytest.approx(entropies[: c.n_tokens], **tol)
             assert c.finish == ("eos" if c.token_ids[-1] == self.eos(reference) else "max_step_tokens")
         engine.release(states, proposals)
         assert engine.busy_rows() == 0
@@ -195,7 +205,8 @@ class EngineContract:
 
         def candidates(seed, others=0):
             prompts = [self.prompt(reference, 1)] + [self.prompt(reference, i % 3) for i in range(others)]
-            states = engine.start([StartRequest(p, _evicting(8), 9) for p in prompts])
+            ev = _evicting(8) if getattr(engine, "evicts", True) else _full()
+            states = engine.start([StartRequest(p, ev, 9) for p in prompts])
             reqs = [ProposeRequest(s, "base", spec, seed + 100 * j, 100) for j, s in enumerate(states)]
             proposals = run_to_end(engine, reqs)
             engine.release(states, proposals)
@@ -220,7 +231,7 @@ class EngineContract:
 
     @pytest.mark.parametrize("evictor", ["full", "budget-above-length"])
     def test_adopt_and_ingest_continue_like_generate(self, engine, reference, evictor):
-        ev = _full() if evictor == "full" else _evicting(400)
+        ev = self.evictor(engine, evictor)
         prompt = self.prompt(reference, 1)
         spec = SamplingSpec(1, 0.0, 1.0, 8, NO_DELIMITER)
         committed = "Step 1: In May she sold 48 / 2 = 24 clips.\n\n"

@@ -16,6 +16,7 @@ import atexit
 import itertools
 import os
 import queue
+import signal
 import subprocess
 import sys
 import tempfile
@@ -98,6 +99,7 @@ class Worker:
 
     def fail(self) -> None:
         code = self.proc.wait(timeout=30) if self.proc.poll() is None else self.proc.returncode
+        self._kill_group()
         raise EngineError(f"{self.where}: the SGLang worker exited (code {code}); rerun to resume.\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 12) -> str:
@@ -118,7 +120,16 @@ class Worker:
                 pass
         if self.proc.poll() is None:
             self.proc.kill()
+        self._kill_group()
         _SHARED.pop(self._key, None) if hasattr(self, "_key") else None
+
+    def _kill_group(self) -> None:
+        """SGLang's scheduler and detokenizer are in the worker's process group (its own
+        session): none may outlive the worker, which kills them only when it exits cleanly."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def _read_with_timeout(stream, timeout: float) -> Optional[Any]:

@@ -86,6 +86,8 @@ class SGLangEngine:
     """One model served by an SGLang worker process (see the module docstring)."""
 
     backend = "sglang"
+    evicts = False  # full-context proposers only (an evicting state is refused in start())
+    exact_entropy = False  # estimated from the top-k logprobs (entropy_estimate)
 
     def __init__(self, worker: Worker, tokenizer: Any, *, vocab_size: int, kv_shape: tuple[int, int, int, int],
                  eos_ids: set[int], device: str) -> None:
@@ -160,7 +162,7 @@ class SGLangEngine:
         self.waiting.extend(requests)
 
     def busy_rows(self) -> int:
-        return sum(r.request.spec.n for r in self.waiting) + sum(
+        return sum(r.spec.n for r in self.waiting) + sum(
             1 for r in self.running for row in r.rows if row.finish is None)
 
     def _admit(self, max_rows: Optional[int]) -> None:

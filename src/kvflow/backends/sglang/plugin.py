@@ -11,6 +11,11 @@ of seed, position and token id) with the same draw over a pure-torch hash, so th
 sampling runs on every backend and device. The tokens differ from SGLang's own seeded ones
 (another hash), not the distribution.
 
+It also shortens the idle scheduler's nap (`sleep_on_idle`, which kvflow turns on: an idle
+SGLang scheduler otherwise busy-polls a whole core, which a mixed pipeline's `hf` base needs)
+from 1 s to 10 ms: kvflow sends each step's requests right after the last step's ended, and a
+request that lands just before the nap must not wait out a second.
+
 It acts only in engines that kvflow's worker started (`KVFLOW_SGLANG=1` in the environment,
 which SGLang's spawned processes inherit); in any other SGLang it registers nothing.
 """
@@ -22,6 +27,8 @@ import random
 
 _SEEDS = "sglang.srt.sampling.sampling_batch_info.SamplingBatchInfo.from_schedule_batch"
 _DRAW = "sglang.srt.layers.sampler.multinomial_with_seed"
+_NAP = "sglang.srt.managers.scheduler_components.idle_sleeper.IdleSleeper.maybe_sleep"
+NAP_MS = 10
 _rng = random.SystemRandom()
 
 
@@ -32,6 +39,11 @@ def register() -> None:
 
     HookRegistry.register(_SEEDS, _seed_rows, HookType.AFTER)
     HookRegistry.register(_DRAW, seeded_draw, HookType.REPLACE)
+    HookRegistry.register(_NAP, _short_nap, HookType.REPLACE)
+
+
+def _short_nap(sleeper, *args, **kwargs) -> None:
+    sleeper.poller.poll(NAP_MS)  # returns at once when a request arrives
 
 
 def _seed_rows(info, *args, **kwargs):

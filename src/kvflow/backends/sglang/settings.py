@@ -20,8 +20,11 @@ RESERVED = {"model_path": "id", "tokenizer_path": "tokenizer", "dtype": "dtype",
             "trust_remote_code": "trust_remote_code", "revision": "revision", "skip_tokenizer_init": None}
 
 #: defaults on every device: overlap scheduling off (kvflow's plugin hooks see the batch that
-#: runs), quiet logs
-COMMON = {"log_level": "error", "disable_overlap_schedule": True}
+#: runs), tokens streamed as they come (kvflow's pruners stop candidates mid-step: SGLang's
+#: default batches 16 notifications before its event loop sees them), an idle scheduler that
+#: sleeps (it busy-polls otherwise: a whole core while the hf base decodes), quiet logs
+COMMON = {"log_level": "error", "disable_overlap_schedule": True, "stream_interval": 1, "batch_notify_size": 1,
+          "sleep_on_idle": True}
 
 #: defaults without a GPU: kvflow's CPU platform (pure-torch kernels), no CUDA graphs, and a
 #: bounded token pool (SGLang would size it from the machine's whole memory)

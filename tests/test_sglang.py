@@ -1,0 +1,217 @@
+"""The `sglang` backend on a CPU: parity with `hf` (greedy tokens, likelihood scores, the
+steps a KV-Rescue run commits), pruners that abort candidates in the engine, the prefix
+cache, engine settings checked against SGLang's server arguments, a crashed worker.
+
+The engine-protocol contract itself runs over every backend in tests/test_engine_contract.py.
+Tests on `shared_tiny_qwen` share one SGLang engine (one worker process) for the session.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import require_sglang
+from kvflow.components.base import Pruner, PrunerParams, Trajectory
+from kvflow.components.engine import ProposeRequest, SamplingSpec, StartRequest, SyncRequest
+from kvflow.config.schema import ModelConfig
+from kvflow.testing import tiny_pipeline
+from kvflow.testing.engine_contract import run_to_end
+
+QUESTION = "Natalia sold 48 clips in April and half as many in May. How many clips did she sell?"
+
+
+@pytest.fixture(scope="module")
+def sglang_engine(shared_tiny_qwen):
+    require_sglang()
+    from kvflow.backends.sglang import SGLangBackend
+
+    return SGLangBackend.load(ModelConfig(backend="sglang", id=str(shared_tiny_qwen), dtype="float32", device="cpu"))
+
+
+@pytest.fixture(scope="module")
+def hf_engine(shared_tiny_qwen):
+    from kvflow.backends.hf.engine import HFBackend
+
+    return HFBackend.load(ModelConfig(id=str(shared_tiny_qwen), dtype="float32", device="cpu"))
+
+
+def _full():
+    from kvflow_builtin.evictors.none import NoEviction, NoEvictionParams
+
+    return NoEviction(NoEvictionParams())
+
+
+def _prompt(engine) -> str:
+    return engine.tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], tokenize=False,
+                                                add_generation_prompt=True)
+
+
+class _StopAt(Pruner):
+    Params = PrunerParams
+    needs_text = False
+
+    def __init__(self, at: int) -> None:
+        super().__init__(PrunerParams(threshold=at))
+
+    def signal(self, trace):
+        return trace.n_tokens.float()
+
+    def check(self, trace):
+        return trace.n_tokens >= int(self.params.threshold)
+
+
+def test_steps_with_a_delimiter_equal_hf_token_for_token(sglang_engine, hf_engine):
+    # greedy, the real delimiter of a step (a space here: the tiny model rarely writes "\n\n")
+    spec = SamplingSpec(2, 0.0, 1.0, 16, " ")
+    got = {}
+    for engine in (hf_engine, sglang_engine):
+        (state,) = engine.start([StartRequest(_prompt(engine), _full(), 1)])
+        steps = []
+        for _ in range(3):
+            (p,) = run_to_end(engine, [ProposeRequest(state, "helper", spec, 0, 100)])
+            steps.append([(c.token_ids, c.finish, c.text) for c in p.candidates])
+            (state,) = engine.sync([SyncRequest(state, p, 0, p.candidates[0].text)])
+        got[engine.backend] = steps
+    assert got["sglang"] == got["hf"]
+    assert any(f == "delimiter" for step in got["hf"] for _, f, _ in step)
+
+
+def test_likelihood_scores_equal_hf(sglang_engine, hf_engine):
+    traj = Trajectory(problem_id="p", question=QUESTION, prompt=_prompt(hf_engine))
+    texts = [" She sold 48 / 2 = 24 clips in May.", " 72"]
+    scores = {e.backend: e.scoring_session().token_logprobs([traj, traj], texts) for e in (hf_engine, sglang_engine)}
+    for a, b in zip(scores["hf"], scores["sglang"]):
+        assert len(a) == len(b) and b == pytest.approx(a, abs=1e-4)
+
+
+def test_a_pruned_candidate_is_aborted_in_the_engine(sglang_engine):
+    spec = SamplingSpec(2, 1.0, 1.0, 400, "\x00\x01", pruners=(("stop4", _StopAt(4)),))
+    (state,) = sglang_engine.start([StartRequest(_prompt(sglang_engine), _full(), 1)])
+    run_to_end(sglang_engine, [ProposeRequest(state, "base", SamplingSpec(2, 1.0, 1.0, 4, "\x00\x01"), 4, 1000)])
+    before = dict(sglang_engine.counters)  # (after a first sampled step: SGLang's own warm-up)
+    (p,) = run_to_end(sglang_engine, [ProposeRequest(state, "base", spec, 5, 1000)])
+    assert [c.finish for c in p.candidates] == ["pruned:stop4"] * 2
+    assert [c.n_tokens for c in p.candidates] == [4, 4]
+    assert sglang_engine.counters["aborted"] - before["aborted"] == 2
+    deadline = time.monotonic() + 30  # the engine reports how far each got before the abort landed
+    while sglang_engine._used and time.monotonic() < deadline:
+        sglang_engine.step()
+    after_stop = sglang_engine.counters["tokens_after_stop"] - before["tokens_after_stop"]
+    assert after_stop < 2 * 100, "the aborted candidates ran on towards max_step_tokens"
+
+
+def test_the_prefix_is_served_from_the_radix_cache(sglang_engine):
+    spec = SamplingSpec(2, 0.0, 1.0, 8, "\x00\x01")
+    (state,) = sglang_engine.start([StartRequest(_prompt(sglang_engine), _full(), 1)])
+    (p,) = run_to_end(sglang_engine, [ProposeRequest(state, "base", spec, 0, 100)])
+    (state,) = sglang_engine.sync([SyncRequest(state, p, 0, p.candidates[0].text)])
+    before = dict(sglang_engine.counters)
+    (q,) = run_to_end(sglang_engine, [ProposeRequest(state, "base", spec, 0, 100)])
+    prompt = sglang_engine.counters["prompt_tokens"] - before["prompt_tokens"]
+    cached = sglang_engine.counters["cached_tokens"] - before["cached_tokens"]
+    assert prompt == 2 * len(state.ids)
+    # the second step's input is the first step's: only the newest committed token is new
+    assert cached >= prompt - 2 * (1 + 1)
+
+
+# -- through `kvflow run` -----------------------------------------------------------------------
+
+
+def _greedy_rescue(tmp_path, helper_backend: str, **kw):
+    extra = {"models": {"helper": {"backend": helper_backend}},
+             "proposers": {"base": {"sampling": {"temperature": 0}}, "helper": {"sampling": {"temperature": 0}}},
+             "scorer": {"kind": "likelihood", "model": "helper"}}
+    return tiny_pipeline(tmp_path, name=f"rescue_{helper_backend}", problems=2, n=2, max_tokens=48,
+                         extra=extra, **kw)
+
+
+def _steps(run_dir):
+    out = {}
+    for r in map(json.loads, (run_dir / "samples.jsonl").read_text().splitlines()):
+        out[r["id"]] = [(s["text"], s["source"], None if s["score"] is None else round(s["score"], 4))
+                        for s in r["steps"]]
+    return out
+
+
+def test_kv_rescue_with_the_helper_on_sglang_commits_what_hf_commits(tmp_path, cli):
+    require_sglang()
+    runs = {}
+    for backend in ("hf", "sglang"):
+        path = _greedy_rescue(tmp_path, backend)
+        result = cli("run", path)
+        assert result.exit_code == 0, result.output
+        (run_dir,) = [d for d in (tmp_path / "results").iterdir() if d.name.startswith(f"rescue_{backend}")]
+        runs[backend] = _steps(run_dir)
+    assert runs["sglang"] == runs["hf"]
+    assert any(src == "helper" for steps in runs["hf"].values() for _, src, _ in steps)
+
+
+def test_engine_settings_are_checked_against_sglang_server_arguments(tmp_path, cli):
+    require_sglang()
+    cases = [
+        ({"models": {"helper": {"backend": "sglang", "engine": {"tp_sise": 2}}}},
+         "models.helper.engine.tp_sise", "did you mean 'tp_size'"),
+        ({"models": {"helper": {"backend": "sglang", "engine": {"dtype": "float16"}}}},
+         "models.helper.engine.dtype", "set by kvflow"),
+        ({"models": {"helper": {"engine": {"tp_size": 2}}}}, "models.helper.engine", "takes no engine settings"),
+        ({"models": {"base": {"backend": "sglang"}}}, "proposers.base.evictor", "full-context proposers only"),
+    ]
+    for i, (extra, where, words) in enumerate(cases):
+        path = tiny_pipeline(tmp_path / str(i), problems=1, extra=extra)
+        result = cli("run", path)
+        assert result.exit_code == 2, (where, result.output)
+        assert where in result.output and words in result.output, result.output
+        assert not (tmp_path / str(i) / "results").exists()  # nothing written
+
+
+def test_prm_on_sglang_is_refused_naming_the_field(tmp_path, cli):
+    path = tiny_pipeline(tmp_path, problems=1, scorer={"kind": "prm", "model": "helper", "protocol": "math-shepherd"},
+                         extra={"models": {"helper": {"backend": "sglang"}}})
+    require_sglang()
+    result = cli("run", path)
+    assert result.exit_code == 2 and "models.helper.backend" in result.output, result.output
+    assert "scorer 'prm'" in result.output
+
+
+def test_a_crashed_worker_stops_the_run_clearly_and_the_rerun_resumes(tmp_path, cli):
+    require_sglang()
+    reference = tiny_pipeline(tmp_path / "reference", name="crash", problems=3, n=2, max_tokens=32,
+                              extra={"models": {"helper": {"backend": "sglang"}}, "run": {"batch_problems": 1}})
+    assert cli("run", reference).exit_code == 0
+    (ref_dir,) = (tmp_path / "reference" / "results").iterdir()
+    expected = _steps(ref_dir)
+
+    path = tiny_pipeline(tmp_path / "crashed", name="crash", problems=3, n=2, max_tokens=32,
+                         extra={"models": {"helper": {"backend": "sglang"}}, "run": {"batch_problems": 1}})
+    proc = subprocess.Popen([sys.executable, "-m", "kvflow.cli", "run", str(path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                            start_new_session=True)
+    out = tmp_path / "crashed" / "results"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        files = list(out.glob("*/samples.jsonl"))
+        if files and files[0].read_bytes().count(b"\n") >= 1:
+            break
+        time.sleep(0.05)
+    workers = subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "kvflow.backends.sglang.worker"],
+                             capture_output=True, text=True).stdout.split()
+    assert workers, "no SGLang worker under the run"
+    os.kill(int(workers[0]), signal.SIGKILL)  # what SGLang does to it when one of its processes dies
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 1, stderr
+    assert "SGLang worker exited" in stderr and "rerun to resume" in stderr and "Traceback" not in stderr
+    left = subprocess.run(["pgrep", "-g", workers[0]], capture_output=True, text=True).stdout.split()
+    assert not left, "SGLang processes outlived their worker"
+    (run_dir,) = out.iterdir()
+    assert 1 <= len(_steps(run_dir)) < 3
+    assert cli("run", path).exit_code == 0
+    lines = (run_dir / "samples.jsonl").read_text().splitlines()
+    assert len(lines) == 3 and len({json.loads(x)["id"] for x in lines}) == 3
+    assert _steps(run_dir) == expected
