@@ -226,7 +226,9 @@ class EngineContract:
         for c in p.candidates:
             assert c.finish == "pruned:stop3" or (c.finish == "eos" and c.n_tokens <= 3)
             assert c.n_tokens <= 3
-        assert pruner.seen[0] == [1, 1] and [2, 2] in pruner.seen  # every live row, after every token
+        # every live row after each of its tokens, once (rows may be checked together or apart)
+        seen = [x for trace in pruner.seen for x in trace]
+        assert seen.count(1) == 2 and seen.count(2) == 2
         engine.release([state], [p])
 
     @pytest.mark.parametrize("evictor", ["full", "budget-above-length"])

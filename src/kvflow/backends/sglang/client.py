@@ -47,6 +47,9 @@ class Worker:
         log = tempfile.NamedTemporaryFile(prefix="kvflow-sglang-", suffix=".log", delete=False)
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
+        # SGLang's torch threads must not spin between ops while an `hf` engine in this
+        # process decodes on the same cores
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         proc = subprocess.Popen([sys.executable, "-m", "kvflow.backends.sglang.worker"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True)
         log.close()

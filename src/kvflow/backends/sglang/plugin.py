@@ -13,7 +13,7 @@ sampling runs on every backend and device. The tokens differ from SGLang's own s
 
 It also shortens the idle scheduler's nap (`sleep_on_idle`, which kvflow turns on: an idle
 SGLang scheduler otherwise busy-polls a whole core, which a mixed pipeline's `hf` base needs)
-from 1 s to 10 ms: kvflow sends each step's requests right after the last step's ended, and a
+from 1 s to 100 ms: kvflow sends each step's requests right after the last step's ended, and a
 request that lands just before the nap must not wait out a second.
 
 It acts only in engines that kvflow's worker started (`KVFLOW_SGLANG=1` in the environment,
@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import os
 import random
+import time
 
 _SEEDS = "sglang.srt.sampling.sampling_batch_info.SamplingBatchInfo.from_schedule_batch"
 _DRAW = "sglang.srt.layers.sampler.multinomial_with_seed"
 _NAP = "sglang.srt.managers.scheduler_components.idle_sleeper.IdleSleeper.maybe_sleep"
-NAP_MS = 10
+NAP_MS = 100
 _rng = random.SystemRandom()
 
 
@@ -43,7 +44,8 @@ def register() -> None:
 
 
 def _short_nap(sleeper, *args, **kwargs) -> None:
-    sleeper.poller.poll(NAP_MS)  # returns at once when a request arrives
+    if sleeper.poller.poll(NAP_MS):  # returns at once when a request arrives ...
+        time.sleep(0.001)  # ... or when a socket stays readable: never a tight loop
 
 
 def _seed_rows(info, *args, **kwargs):

@@ -86,7 +86,7 @@ def check_model(model_cfg) -> Optional[str]:
     if why:
         return why
     src = resolve_source(model_cfg.id, model_cfg.gguf_file)
-    if src.kind == "gguf" or src.gguf_file:
+    if src.kind == "gguf" or (src.kind == "dir" and src.gguf_file):
         return "backend 'sglang' serves transformers directories and catalog models, not GGUF files"
     if src.kind == "dir":
         config = Path(src.ref) / "config.json"
