@@ -228,7 +228,7 @@ def test_the_sglang_quickstart_runs_end_to_end_on_a_catalog_checkpoint(tmp_path,
     shrunk, on SmolLM2-135M: a real tokenizer, chat template and GGUF-converted weights."""
     require_sglang()
     path = tiny_pipeline(tmp_path, include=REPO / "pipelines" / "sglang" / "quickstart.yaml",
-                         model="catalog:smollm2-135m-instruct", problems=2, n=2, max_step_tokens=24, max_tokens=72)
+                         model="catalog:smollm2-135m-instruct", problems=2, n=2, max_step_tokens=24, max_tokens=48)
     result = cli("run", path)
     assert result.exit_code == 0, result.output
     (run_dir,) = (tmp_path / "results").iterdir()
