@@ -46,6 +46,18 @@ def cli():
     return lambda *args, **kw: runner.invoke(app, [str(a) for a in args], **kw)
 
 
+def wait_for_first_record(out: Path, proc, timeout: float = 300) -> None:
+    """Wait until a `kvflow run` subprocess has written a record under `out`, or has exited."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        files = list(out.glob("*/samples.jsonl"))
+        if files and files[0].read_bytes().count(b"\n") >= 1:
+            return
+        time.sleep(0.02)
+
+
 def require_sglang() -> None:
     """Skip a test that needs SGLang where it is not installed, except in CI (`CI` set), where
     `make test` installs it and a skipped SGLang test would hide a broken install."""

@@ -10,8 +10,8 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
+from conftest import wait_for_first_record
 from kvflow.testing import tiny_model_dir, tiny_pipeline
 
 STABLE = ("id", "prediction", "correct", "output", "steps", "step_counts", "output_tokens", "tokens_generated",
@@ -49,12 +49,7 @@ def test_sigkill_while_problems_finish_out_of_order_resumes_exactly(tmp_path, cl
     proc = subprocess.Popen([sys.executable, "-m", "kvflow.cli", "run", str(path)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, env=env, start_new_session=True)
     out = tmp_path / "killed" / "results"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        files = list(out.glob("*/samples.jsonl"))
-        if files and files[0].read_bytes().count(b"\n") >= 1:
-            break
-        time.sleep(0.005)
+    wait_for_first_record(out, proc, timeout=120)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     (run_dir,) = out.iterdir()

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from conftest import REPO, require_sglang
+from conftest import REPO, require_sglang, wait_for_first_record
 from kvflow.components.base import Pruner, PrunerParams, Trajectory
 from kvflow.components.engine import ProposeRequest, SamplingSpec, StartRequest, SyncRequest
 from kvflow.config.schema import ModelConfig
@@ -197,12 +197,7 @@ def test_a_crashed_worker_stops_the_run_clearly_and_the_rerun_resumes(tmp_path, 
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
                             start_new_session=True)
     out = tmp_path / "crashed" / "results"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
-        files = list(out.glob("*/samples.jsonl"))
-        if files and files[0].read_bytes().count(b"\n") >= 1:
-            break
-        time.sleep(0.05)
+    wait_for_first_record(out, proc)
     workers = subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "kvflow.backends.sglang.worker"],
                              capture_output=True, text=True).stdout.split()
     assert workers, "no SGLang worker under the run"

@@ -56,6 +56,16 @@ def row_seed(*parts: object) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+def delimiter_step(pattern: str, state: int, ch: str) -> int:
+    """One KMP step of delimiter matching, shared by engines: the longest prefix of `pattern`
+    that is a suffix of pattern[:state] + ch (state = characters of the delimiter matched)."""
+    text = pattern[:state] + ch
+    for k in range(min(len(text), len(pattern)), 0, -1):
+        if text.endswith(pattern[:k]):
+            return k
+    return 0
+
+
 @dataclass(frozen=True)
 class SamplingSpec:
     """How a proposer samples one step."""

@@ -14,6 +14,8 @@ from typing import Sequence
 
 import torch
 
+from kvflow.components.engine import delimiter_step
+
 def _signed(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
 
@@ -53,21 +55,12 @@ class DelimiterTable:
             for s in range(n):
                 state, hit = s, False
                 for ch in piece:
-                    state = _advance(delimiter, state, ch)
+                    state = delimiter_step(delimiter, state, ch)
                     if state == n:
                         hit, state = True, 0
                         break
                 self.next[s, t], self.hit[s, t] = state, hit
         self.next, self.hit = self.next.to(device), self.hit.to(device)
-
-
-def _advance(pattern: str, state: int, ch: str) -> int:
-    """KMP step: the longest prefix of `pattern` that is a suffix of pattern[:state] + ch."""
-    text = pattern[:state] + ch
-    for k in range(min(len(text), len(pattern)), 0, -1):
-        if text.endswith(pattern[:k]):
-            return k
-    return 0
 
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float, uniforms: torch.Tensor):

@@ -30,7 +30,7 @@ from typing import Any, Optional, Sequence
 
 from kvflow.backends.sglang.client import EngineError, Worker
 from kvflow.components.base import Candidate, StepTrace
-from kvflow.components.engine import Proposal, ProposeRequest, StartRequest, SyncRequest, row_seed
+from kvflow.components.engine import Proposal, ProposeRequest, StartRequest, SyncRequest, delimiter_step, row_seed
 from kvflow.timing import NULL_CLOCK
 
 TOP_K = 20  # top log-probabilities per token, for the entropy estimate
@@ -342,20 +342,12 @@ def _ends_delimiter(row: _Row, piece: str, delimiter: str) -> bool:
     state = row.match
     hit = False
     for ch in piece:
-        state = _kmp(delimiter, state, ch)
+        state = delimiter_step(delimiter, state, ch)
         if state == len(delimiter):
             hit, state = True, 0
             break
     row.match = state
     return hit
-
-
-def _kmp(pattern: str, state: int, ch: str) -> int:
-    text = pattern[:state] + ch
-    for k in range(min(len(text), len(pattern)), 0, -1):
-        if text.endswith(pattern[:k]):
-            return k
-    return 0
 
 
 def _engine_finish(reason: dict) -> str:
