@@ -107,6 +107,26 @@ def test_a_pruned_candidate_is_aborted_in_the_engine(sglang_engine):
     assert after_stop < 2 * 100, "the aborted candidates ran on towards max_step_tokens"
 
 
+def test_a_proposal_that_ends_while_scoring_is_still_handed_back(sglang_engine):
+    # scoring polls the same worker, so a proposal's rows can end outside step(); the engine
+    # must stay busy until step() hands the proposal back, or the scheduler never asks again
+    spec = SamplingSpec(2, 0.0, 1.0, 4, "\x00\x01")
+    (state,) = sglang_engine.start([StartRequest(_prompt(sglang_engine), _full(), 1)])
+    request = ProposeRequest(state, "helper", spec, 0, 100)
+    sglang_engine.submit([request])
+    assert sglang_engine.step() == []  # admitted: its requests are in the engine
+    traj = Trajectory(problem_id="scored", question=QUESTION, prompt=_prompt(sglang_engine))
+    session = sglang_engine.scoring_session()
+    deadline = time.monotonic() + 60
+    while any(row.finish is None for r in sglang_engine.running for row in r.rows):
+        assert time.monotonic() < deadline
+        session.token_logprobs([traj], [" 72"])
+    assert sglang_engine.busy_rows() > 0
+    (p,) = sglang_engine.step()  # the next step hands it back
+    assert p.request is request and [c.n_tokens for c in p.candidates] == [4, 4]
+    assert sglang_engine.busy_rows() == 0
+
+
 def test_the_prefix_is_served_from_the_radix_cache(sglang_engine):
     spec = SamplingSpec(2, 0.0, 1.0, 8, "\x00\x01")
     (state,) = sglang_engine.start([StartRequest(_prompt(sglang_engine), _full(), 1)])

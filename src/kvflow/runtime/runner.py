@@ -225,8 +225,12 @@ def _decode_with(loaded: LoadedPipeline, registry, store: ResultsDir, todo, quie
             run(plan, trajectories(), on_done, timings=timings, occupancy=occupancy, on_tick=on_tick)
         finally:
             try:  # best effort: must not hide why the run stopped (e.g. a full disk)
+                # engines that count their own work (SGLang: prefix-cache hits, tokens after a
+                # stop) report it for this invocation of the run
+                stats = {e.label: e.stats() for e in plan.engines() if callable(getattr(e, "stats", None))}
                 store.update_manifest(occupancy=_merge_occupancy(store.manifest().get("occupancy"),
-                                                                 occupancy.summary()))
+                                                                 occupancy.summary()),
+                                      **({"engine_stats": stats} if stats else {}))
             except (OSError, UserError):
                 pass
 

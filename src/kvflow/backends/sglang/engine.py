@@ -162,8 +162,10 @@ class SGLangEngine:
         self.waiting.extend(requests)
 
     def busy_rows(self) -> int:
-        return sum(r.spec.n for r in self.waiting) + sum(
-            1 for r in self.running for row in r.rows if row.finish is None)
+        # every row of a running proposal counts until step() hands the proposal back: rows can
+        # end outside step() (scoring polls the same worker), and the scheduler only steps an
+        # engine that says it is busy
+        return sum(r.spec.n for r in self.waiting) + sum(len(r.rows) for r in self.running)
 
     def _admit(self, max_rows: Optional[int]) -> None:
         busy = sum(1 for r in self.running for row in r.rows if row.finish is None)
