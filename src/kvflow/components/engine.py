@@ -56,14 +56,17 @@ def row_seed(*parts: object) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def delimiter_step(pattern: str, state: int, ch: str) -> int:
-    """One KMP step of delimiter matching, shared by engines: the longest prefix of `pattern`
-    that is a suffix of pattern[:state] + ch (state = characters of the delimiter matched)."""
-    text = pattern[:state] + ch
-    for k in range(min(len(text), len(pattern)), 0, -1):
-        if text.endswith(pattern[:k]):
-            return k
-    return 0
+def delimiter_scan(pattern: str, state: int, piece: str) -> tuple[int, bool]:
+    """Delimiter matching across token boundaries, shared by engines: feed one token's text
+    to a KMP matcher in `state` (characters of `pattern` the text so far ends with). Returns
+    (the next state, whether `piece` completes the pattern); after a completion the match
+    restarts (state 0)."""
+    for ch in piece:
+        text = pattern[:state] + ch
+        state = next((k for k in range(min(len(text), len(pattern)), 0, -1) if text.endswith(pattern[:k])), 0)
+        if state == len(pattern):
+            return 0, True
+    return state, False
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ from typing import Sequence
 
 import torch
 
-from kvflow.components.engine import delimiter_step
+from kvflow.components.engine import delimiter_scan
+
 
 def _signed(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
@@ -53,13 +54,7 @@ class DelimiterTable:
             if not chars.intersection(piece):
                 continue  # no delimiter character: the match restarts, state 0, no hit
             for s in range(n):
-                state, hit = s, False
-                for ch in piece:
-                    state = delimiter_step(delimiter, state, ch)
-                    if state == n:
-                        hit, state = True, 0
-                        break
-                self.next[s, t], self.hit[s, t] = state, hit
+                self.next[s, t], self.hit[s, t] = delimiter_scan(delimiter, s, piece)
         self.next, self.hit = self.next.to(device), self.hit.to(device)
 
 

@@ -30,7 +30,7 @@ from typing import Any, Optional, Sequence
 
 from kvflow.backends.sglang.client import EngineError, Worker
 from kvflow.components.base import Candidate, StepTrace
-from kvflow.components.engine import Proposal, ProposeRequest, StartRequest, SyncRequest, delimiter_step, row_seed
+from kvflow.components.engine import Proposal, ProposeRequest, StartRequest, SyncRequest, delimiter_scan, row_seed
 from kvflow.timing import NULL_CLOCK
 
 TOP_K = 20  # top log-probabilities per token, for the entropy estimate
@@ -260,10 +260,11 @@ class SGLangEngine:
                 row.tokens.append(tok)
                 row.logprobs.append(lp)
                 row.entropies.append(entropy_estimate(top, spec.temperature, self.vocab_size))
-                row.text += self.piece(tok)
+                piece = self.piece(tok)
+                row.text += piece
                 if tok in self.eos_ids:
                     row.finish = "eos"
-                elif spec.delimiter and _ends_delimiter(row, self.piece(tok), spec.delimiter):
+                elif spec.delimiter and _ends_delimiter(row, piece, spec.delimiter):
                     row.finish = "delimiter"
                 elif len(row.tokens) >= running.cap:
                     row.finish = "max_step_tokens"
@@ -340,15 +341,8 @@ class SGLangEngine:
 
 
 def _ends_delimiter(row: _Row, piece: str, delimiter: str) -> bool:
-    """KMP over the token's characters: does this piece complete the delimiter?"""
-    state = row.match
-    hit = False
-    for ch in piece:
-        state = delimiter_step(delimiter, state, ch)
-        if state == len(delimiter):
-            hit, state = True, 0
-            break
-    row.match = state
+    """Does this token's text complete the delimiter? (the row keeps its matcher state)"""
+    row.match, hit = delimiter_scan(delimiter, row.match, piece)
     return hit
 
 
