@@ -240,24 +240,31 @@ def _save_converted(model: Any, tokenizer: Any, target: Path, stamp: dict) -> No
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _load_catalog(name: str, dtype: str) -> tuple[Any, Any]:
+def _catalog_conversion(name: str, dtype: str) -> tuple[Path, Path, dict]:
+    """(the catalog GGUF, its converted directory, the stamp a fresh conversion carries)."""
     import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = pull(name, progress=lambda m: log.info("%s", m))
-    # A transformers upgrade may convert differently, so its version is part of the stamp.
-    stamp = {"sha256": get_entry(name).sha256, "dtype": dtype, "transformers": transformers.__version__}
-    conv = gguf.parent / f"hf-{dtype}"
+    # A transformers upgrade may convert differently, so its version is part of the stamp;
+    # format 2: config.json names `architectures` (engines such as SGLang pick a class by it).
+    stamp = {"sha256": get_entry(name).sha256, "dtype": dtype, "transformers": transformers.__version__, "format": 2}
+    return gguf, gguf.parent / f"hf-{dtype}", stamp
 
-    def fresh() -> bool:
-        try:
-            return json.loads((conv / _STAMP).read_text()) == stamp
-        except (OSError, ValueError):
-            return False
 
-    if not fresh():
+def _is_fresh(conv: Path, stamp: dict) -> bool:
+    try:
+        return json.loads((conv / _STAMP).read_text()) == stamp
+    except (OSError, ValueError):
+        return False
+
+
+def _load_catalog(name: str, dtype: str) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf, conv, stamp = _catalog_conversion(name, dtype)
+    if not _is_fresh(conv, stamp):
         with file_lock(gguf.parent / f".hf-{dtype}.lock"):
-            if not fresh():  # still stale once we hold the lock: convert it ourselves
+            if not _is_fresh(conv, stamp):  # still stale once we hold the lock: convert it ourselves
                 for stale in gguf.parent.glob(f".hf-{dtype}-*"):  # left by a killed process
                     shutil.rmtree(stale, ignore_errors=True)
                 model, tokenizer = _from_gguf(str(gguf.parent), gguf.name, dtype)
@@ -334,21 +341,21 @@ def model_directory(model_cfg: Any, *, tokenizer: bool = False) -> Path:
         return Path(ref)
     dtype = getattr(model_cfg, "dtype", "bfloat16")
     dtype = "bfloat16" if dtype == "auto" else dtype
-    conv = pull(src.ref, progress=lambda m: log.info("%s", m)).parent / f"hf-{dtype}"
-    if not (conv / _STAMP).is_file():
-        _load_catalog(src.ref, dtype)  # converts it (once)
-    config_path = conv / "config.json"
-    config = json.loads(config_path.read_text())
-    if not config.get("architectures"):  # converted before kvflow wrote them
-        with file_lock(conv.parent / f".hf-{dtype}.lock"):
-            from transformers import AutoConfig, AutoModelForCausalLM
-
-            model_cls = AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(conv))]
-            config["architectures"] = [model_cls.__name__]
-            tmp = config_path.with_suffix(".json.tmp")
-            tmp.write_text(json.dumps(config, indent=2) + "\n")
-            os.replace(tmp, config_path)
+    _, conv, stamp = _catalog_conversion(src.ref, dtype)
+    if not _is_fresh(conv, stamp):
+        _load_catalog(src.ref, dtype)  # converts it (once), exactly as `load_model` would
     return conv
+
+
+def eos_token_ids(*sources: Any) -> set[int]:
+    """Every `eos_token_id` the given generation config, model config and tokenizer name (any
+    may be None, an id or a list), as the stop set of an engine."""
+    ids: set[int] = set()
+    for source in sources:
+        eos = getattr(source, "eos_token_id", None)
+        if eos is not None:
+            ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    return {int(i) for i in ids}
 
 
 def clear_model_cache() -> None:

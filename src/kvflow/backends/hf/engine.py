@@ -17,6 +17,7 @@ from kvflow.backends.hf.attention import kvflow_attention_enabled
 from kvflow.backends.hf.cache import BudgetedCache, DecodeBatch, new_rows
 from kvflow.backends.hf.matmul import fp32_linear, fp32_min_tokens
 from kvflow.components.base import Evictor
+from kvflow.models.loading import eos_token_ids
 
 _INGEST_CHUNK = 512  # tokens per forward when ingesting into an unbounded cache
 
@@ -31,7 +32,7 @@ class HFRunner:
         self.body = model.base_model  # decoder stack without the LM head
         self.lm_head = model.get_output_embeddings()
         self.num_layers = model.config.num_hidden_layers
-        self.eos_ids = _eos_ids(model, tokenizer)
+        self.eos_ids = eos_token_ids(getattr(model, "generation_config", None), model.config, tokenizer)
         self._pieces: dict[int, str] = {}
         # bf16 on a CPU without fast bf16 GEMMs: forwards of this many tokens or more compute
         # their linear layers in float32 (kvflow.backends.hf.matmul); None = never
@@ -172,16 +173,6 @@ class HFRunner:
             chunk = [r[: max(0, n)] for r, n in zip(remaining, room)]
             remaining = [r[len(c):] for r, c in zip(remaining, chunk)]
             self.forward(cache, chunk, logits="none")
-
-
-def _eos_ids(model, tokenizer) -> set[int]:
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
-        eos = getattr(source, "eos_token_id", None)
-        if eos is None:
-            continue
-        ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
-    return {int(i) for i in ids}
 
 
 class HFBackend:

@@ -126,6 +126,7 @@ def load_engine(model_cfg):
     SGLang worker, one set of weights)."""
     from kvflow.backends.sglang.client import shared
     from kvflow.backends.sglang.engine import SGLangEngine
+    from kvflow.models.loading import eos_token_ids
 
     kwargs = engine_kwargs(model_cfg)
     worker = shared(kwargs, f"models entry {model_cfg.id!r} (backend sglang)")
@@ -136,31 +137,25 @@ def load_engine(model_cfg):
         path = kwargs.get("tokenizer_path", kwargs["model_path"])
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=kwargs["trust_remote_code"])
         config = AutoConfig.from_pretrained(kwargs["model_path"], trust_remote_code=kwargs["trust_remote_code"])
-        engine = SGLangEngine(worker, tokenizer, vocab_size=config.vocab_size, kv_shape=_kv_shape(config, model_cfg.dtype),
-                              eos_ids=_eos_ids(kwargs["model_path"], config, tokenizer), device=kwargs["device"])
+        engine = SGLangEngine(worker, tokenizer, vocab_size=config.vocab_size, kv_shape=_kv_shape(config, model_cfg),
+                              eos_ids=eos_token_ids(_generation_config(kwargs["model_path"]), config, tokenizer),
+                              device=kwargs["device"])
         _ENGINES[id(worker)] = engine
     engine.reset()
     return engine
 
 
-def _kv_shape(config, dtype: str) -> tuple[int, int, int, int]:
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    elem = 4 if dtype == "float32" else 2
-    return (config.num_hidden_layers, heads, head_dim, elem)
+def _kv_shape(config, model_cfg) -> tuple[int, int, int, int]:
+    from kvflow.cost import shape_from_config
+
+    shape = shape_from_config(config.to_dict(), model_cfg.id)
+    return (shape.n_layers, shape.n_kv_heads, shape.head_dim, 4 if model_cfg.dtype == "float32" else 2)
 
 
-def _eos_ids(path: str, config, tokenizer) -> set[int]:
-    ids: set[int] = set()
-    sources = [config, tokenizer]
+def _generation_config(path: str):
+    from transformers import GenerationConfig
+
     try:
-        from transformers import GenerationConfig
-
-        sources.insert(0, GenerationConfig.from_pretrained(path))
+        return GenerationConfig.from_pretrained(path)
     except (OSError, ValueError):
-        pass
-    for source in sources:
-        eos = getattr(source, "eos_token_id", None)
-        if eos is not None:
-            ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
-    return {int(i) for i in ids}
+        return None
