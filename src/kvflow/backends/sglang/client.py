@@ -38,9 +38,9 @@ class Worker:
         self.proc, self.log_path, self.where = proc, log_path, where
         self.replies: queue.Queue = queue.Queue()
         self.info: dict = {}
+        self.key: Optional[tuple] = None  # its entry in the shared workers, if any
         self._ids = itertools.count()
         self._lock = threading.Lock()
-        self.handlers: dict[str, Any] = {}  # rid -> owner, for routing replies between engines
 
     @classmethod
     def start(cls, engine_kwargs: dict, where: str) -> "Worker":
@@ -124,7 +124,7 @@ class Worker:
         if self.proc.poll() is None:
             self.proc.kill()
         self._kill_group()
-        _SHARED.pop(self._key, None) if hasattr(self, "_key") else None
+        _SHARED.pop(self.key, None)
 
     def _kill_group(self) -> None:
         """SGLang's scheduler and detokenizer are in the worker's process group (its own
@@ -152,7 +152,7 @@ def shared(engine_kwargs: dict, where: str) -> Worker:
     worker = _SHARED.get(key)
     if worker is None or worker.proc.poll() is not None:
         worker = Worker.start(engine_kwargs, where)
-        worker._key = key
+        worker.key = key
         _SHARED[key] = worker
     return worker
 

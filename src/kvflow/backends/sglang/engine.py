@@ -114,6 +114,7 @@ class SGLangEngine:
         self.waiting.clear()
         self.running.clear()
         self._rows.clear()
+        self._used.clear()
 
     # ------------------------------------------------------------------ text and shapes
 
@@ -215,7 +216,7 @@ class SGLangEngine:
                 self._advance(running, arrivals)
         for row, reason in ends:
             if row.finish is None:  # the engine stopped it first: the cap (anything else, kvflow saw)
-                row.finish = "max_step_tokens" if reason.get("type") == "length" else _engine_finish(reason)
+                row.finish = _engine_finish(reason)
         return rows
 
     def _dispatch(self, msg, fresh, ends) -> None:

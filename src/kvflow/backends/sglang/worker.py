@@ -87,8 +87,9 @@ class _Worker:
                 input_ids=input_ids, sampling_params={"max_new_tokens": 0}, return_logprob=True,
                 logprob_start_len=max(0, start - 1), rid=rid)
             lps = [x[0] for x in out["meta_info"]["input_token_logprobs"]]
-            # the first entry (the token before `start`, or the first token) has no logprob
-            self.send("scored", rid, lps[1:] if start > 0 else lps[1:], _meta(out["meta_info"]))
+            # SGLang reports from the token before `start`, whose entry has no logprob
+            # (with start 0: from the first token, which has none either)
+            self.send("scored", rid, lps[1:], _meta(out["meta_info"]))
         except Exception as exc:  # noqa: BLE001
             self.send("error", rid, f"{type(exc).__name__}: {exc}")
         finally:
