@@ -43,6 +43,21 @@ class SGLangState:
 
 
 @dataclass
+class EvictedState:
+    """An evicted problem state: a snapshot in the SGLang scheduler (`evict.py`) holding the
+    first `cached` tokens of `ids` evicted down to `resident` per (layer, KV head); the rest
+    of `ids` (at least the pending token) is not cached yet."""
+
+    ids: list[int]  # the logical sequence: prompt + committed tokens, the pending token last
+    snap: Optional[str]  # snapshot id (None: nothing cached yet)
+    cached: int  # leading tokens of `ids` the snapshot has seen
+    resident: int  # tokens it holds per (layer, KV head)
+    evictor: Any
+    rng_key: int
+    n_protected: int
+
+
+@dataclass
 class _Row:
     rid: str
     tokens: list[int] = field(default_factory=list)
@@ -52,6 +67,7 @@ class _Row:
     finish: Optional[str] = None
     signals: dict = field(default_factory=dict)
     match: int = 0  # leading characters of the delimiter the text ends with
+    snap: Optional[str] = None  # evicted proposals: the snapshot the candidate leaves at its end
 
 
 class _Running:
@@ -86,7 +102,6 @@ class SGLangEngine:
     """One model served by an SGLang worker process (see the module docstring)."""
 
     backend = "sglang"
-    evicts = False  # full-context proposers only (an evicting state is refused in start())
     exact_entropy = False  # estimated from the top-k logprobs (entropy_estimate)
 
     def __init__(self, worker: Worker, tokenizer: Any, *, vocab_size: int, kv_shape: tuple[int, int, int, int],
@@ -104,7 +119,16 @@ class SGLangEngine:
         self.forwards = 0  # step() calls that received tokens (SGLang batches on its own)
         self.rows_decoded = 0  # candidate rows that received tokens in them
         self.counters = {"prompt_tokens": 0, "cached_tokens": 0, "requests": 0, "tokens_used": 0,
-                         "tokens_after_stop": 0, "aborted": 0}
+                         "tokens_after_stop": 0, "aborted": 0, "ingest_requests": 0, "adopted": 0,
+                         "adopted_by_ingest": 0}
+        # evicted states: snapshots live in the scheduler until a later request drops them
+        self._ended: dict[str, tuple[dict, int]] = {}  # evicted candidate rid -> (finish, tokens made)
+        self._drop_on_end: dict[str, str] = {}  # candidate rid -> its snapshot, dropped once it ended
+        self._drops: list[str] = []  # snapshots to drop with the next request
+        self._owned: set[str] = set()  # snapshots that exist or will
+        self._ingests: dict[str, Any] = {}  # ingest request rid -> its end message (None: waiting)
+        self._specs: dict[int, dict] = {}
+        self._evicted_rids: set[str] = set()  # evicted candidates whose end has not arrived
 
     def reset(self) -> None:
         for r in self.running:
@@ -115,6 +139,9 @@ class SGLangEngine:
         self.running.clear()
         self._rows.clear()
         self._used.clear()
+        self._drops.extend(self._owned)
+        self._owned.clear()
+        self._drop_on_end.clear()
 
     # ------------------------------------------------------------------ text and shapes
 
@@ -138,24 +165,151 @@ class SGLangEngine:
 
     # ------------------------------------------------------------------ states
 
-    def start(self, requests: Sequence[StartRequest]) -> list[SGLangState]:
-        for r in requests:
-            if getattr(r.evictor, "bounded", True):
-                raise EngineError("backend 'sglang' runs full-context proposers only (evictor kind 'none'); "
-                                  "put an evicted proposer's model on backend 'hf'")
-        return [SGLangState(self.encode(r.prompt)) for r in requests]
-
-    def sync(self, requests: Sequence[SyncRequest]) -> list[SGLangState]:
+    def start(self, requests: Sequence[StartRequest]) -> list:
         out = []
         for r in requests:
-            if r.own_index is not None:
+            ids = self.encode(r.prompt)
+            if not getattr(r.evictor, "bounded", True):
+                out.append(SGLangState(ids))
+                continue
+            if getattr(r.evictor.params, "quantize", None):
+                raise EngineError("backend 'sglang' does not store quantized KV (evictor `quantize`); "
+                                  "put this proposer's model on backend 'hf'")
+            out.append(EvictedState(ids, None, 0, 0, r.evictor, r.rng_key, r.evictor.n_protected(len(ids) - 1)))
+        self._catch_up([s for s in out if isinstance(s, EvictedState)])
+        return out
+
+    def sync(self, requests: Sequence[SyncRequest]) -> list:
+        out = []
+        for r in requests:
+            if isinstance(r.state, EvictedState):
+                out.append(self._sync_evicted(r))
+            elif r.own_index is not None:
                 out.append(SGLangState(r.state.ids + list(r.proposal.candidates[r.own_index].token_ids)))
             else:
                 out.append(SGLangState(r.state.ids + self.encode(r.text)))
+        self._catch_up([s for s in out if isinstance(s, EvictedState)])
         return out
 
-    def release(self, states: Sequence[SGLangState], proposals: Sequence[Proposal] = ()) -> None:
-        pass  # a state is a token list; SGLang's radix cache evicts prefixes on its own
+    def release(self, states: Sequence, proposals: Sequence[Proposal] = ()) -> None:
+        # a full-context state is a token list (SGLang's radix cache evicts prefixes on its
+        # own); an evicted one is a snapshot in the scheduler, dropped with the next request
+        for s in states:
+            if isinstance(s, EvictedState) and s.snap:
+                self._drop(s.snap)
+        for p in proposals:
+            for row in p.handle or ():
+                self._discard(row)
+
+    # ------------------------------------------------------------------ evicted states
+
+    def _sync_evicted(self, r: SyncRequest) -> EvictedState:
+        """Adopt a candidate's snapshot where it holds exactly the candidate's tokens (the
+        engine ended it where kvflow did); otherwise, and for another proposer's text,
+        ingest the tokens into the state's snapshot (`_catch_up`)."""
+        state, rows = r.state, (r.proposal.handle if r.proposal else None) or []
+        if r.own_index is None:
+            for row in rows:
+                self._discard(row)
+            return EvictedState(state.ids + self.encode(r.text), state.snap, state.cached, state.resident,
+                                state.evictor, state.rng_key, state.n_protected)
+        cand, own = r.proposal.candidates[r.own_index], rows[r.own_index]
+        for row in rows:
+            if row is not own:
+                self._discard(row)
+        ids = state.ids + list(cand.token_ids)
+        rng_key = row_seed(state.rng_key, r.own_index)  # the candidate's, as on hf
+        finish, made = self._wait_end(own.rid)
+        if finish.get("type") != "abort" and made == len(cand.token_ids):
+            self.counters["adopted"] += 1
+            if state.snap:
+                self._drop(state.snap)
+            return EvictedState(ids, own.snap, len(ids) - 1, _resident_after(state.resident, len(cand.token_ids),
+                                                                              state.evictor),
+                                state.evictor, rng_key, state.n_protected)
+        self.counters["adopted_by_ingest"] += 1  # stopped by kvflow (a pruner): its snapshot has more
+        return EvictedState(ids, state.snap, state.cached, state.resident, state.evictor, rng_key, state.n_protected)
+
+    def _catch_up(self, states: Sequence[EvictedState]) -> None:
+        """Cache every state's tokens but the pending one, in requests from each state's
+        snapshot that never take a row past `budget + buffer` (a compaction in between, as on
+        `hf`); each state's requests run one after another, states side by side."""
+        while True:
+            todo = [s for s in states if s.cached < len(s.ids) - 1]
+            if not todo:
+                return
+            sent = {}
+            for s in todo:
+                room = s.evictor.trigger - s.resident
+                chunk = s.ids[s.cached : min(len(s.ids) - 1, s.cached + room)]
+                rid = self.worker.new_rid("i")
+                spec = self._spec(s, rng_key=s.rng_key, save_as="s-" + rid)
+                params = {"max_new_tokens": 0, "custom_params": {"kvflow_evict": spec}}
+                self._ingests[rid] = None
+                self.worker.send("generate", rid, s.ids[s.cached - s.resident : s.cached] + chunk, params, 0)
+                self.counters["ingest_requests"] += 1
+                sent[rid] = (s, len(chunk))
+            self._wait(lambda: all(self._ingests[rid] is not None for rid in sent), "ingesting a step")
+            for rid, (s, n) in sent.items():
+                msg = self._ingests.pop(rid)
+                if msg[0] == "error":
+                    raise EngineError(f"{self.worker.where}: SGLang request failed: {msg[2]}")
+                self._count_prefix(msg[3])
+                if s.snap:
+                    self._drop(s.snap)
+                s.snap = "s-" + rid
+                self._owned.add(s.snap)
+                s.resident = _resident_after(s.resident, n, s.evictor)
+                s.cached += n
+
+    def _spec(self, s: EvictedState, *, rng_key: int, save_as: str) -> dict:
+        """What a request tells kvflow's SGLang plugin (`evict.py`) about its evicted state."""
+        ev = self._specs.get(id(s.evictor))
+        if ev is None:
+            cls = type(s.evictor)
+            ev = self._specs[id(s.evictor)] = {"evictor": f"{cls.__module__}:{cls.__qualname__}",
+                                               "params": s.evictor.params.model_dump(mode="json")}
+        spec = dict(ev, rng_key=rng_key, n_protected=s.n_protected, logical=s.cached, save_as=save_as)
+        spec["from"] = s.snap
+        spec["drop"], self._drops = self._drops, []
+        return spec
+
+    def _drop(self, snap: str) -> None:
+        self._owned.discard(snap)
+        self._drops.append(snap)
+
+    def _discard(self, row: _Row) -> None:
+        """A candidate's snapshot is not needed: drop it once the engine has ended the
+        candidate (a drop that arrived first would leave the snapshot behind)."""
+        if row.snap is None:
+            return
+        if row.rid in self._ended:
+            del self._ended[row.rid]
+            self._drop(row.snap)
+        else:
+            self._drop_on_end[row.rid] = row.snap
+
+    def _wait_end(self, rid: str) -> tuple[dict, int]:
+        self._wait(lambda: rid in self._ended, "a candidate's end")
+        return self._ended.pop(rid)
+
+    def _wait(self, done, what: str) -> None:
+        deadline = time.monotonic() + 3600
+        while not done():
+            if time.monotonic() > deadline:
+                raise EngineError(f"{self.worker.where}: SGLang timed out waiting for {what}")
+            self._take(self.worker.poll(_POLL_S))  # proposals keep streaming meanwhile
+
+    def server_state(self) -> dict:
+        """The scheduler's KV slots in use and kvflow's snapshots (`evict.py`)."""
+        rid = self.worker.new_rid("q")
+        self._scores[rid] = None
+        self.worker.send("state", rid)
+        self._wait(lambda: self._scores[rid] is not None, "the engine's state")
+        msg = self._scores.pop(rid)
+        if msg[0] == "error":
+            raise EngineError(f"{self.worker.where}: SGLang state query failed: {msg[2]}")
+        return msg[2]
 
     # ------------------------------------------------------------------ proposals
 
@@ -184,7 +338,15 @@ class SGLangEngine:
                           "skip_special_tokens": False}
                 if spec.temperature > 0:
                     params["sampling_seed"] = row_seed(req.seed, i)
-                self.worker.send("generate", row.rid, req.state.ids, params, TOP_K)
+                state, ids = req.state, req.state.ids
+                if isinstance(state, EvictedState):  # from the state's snapshot: its resident tail + the pending token
+                    row.snap = "c-" + row.rid
+                    self._owned.add(row.snap)
+                    self._evicted_rids.add(row.rid)
+                    params["custom_params"] = {"kvflow_evict": self._spec(
+                        state, rng_key=row_seed(state.rng_key, i), save_as=row.snap)}
+                    ids = ids[state.cached - state.resident :]
+                self.worker.send("generate", row.rid, ids, params, TOP_K)
                 self.counters["requests"] += 1
             self.running.append(running)
             busy += spec.n
@@ -221,9 +383,20 @@ class SGLangEngine:
 
     def _dispatch(self, msg, fresh, ends) -> None:
         kind, rid = msg[0], msg[1]
-        if kind in ("scored",) or (kind == "error" and rid in self._scores):
+        if kind in ("scored", "state") or (kind == "error" and rid in self._scores):
             self._scores[rid] = msg
             return
+        if rid in self._ingests:
+            if kind in ("end", "error"):
+                self._ingests[rid] = msg
+            return
+        if kind == "end" and rid in self._evicted_rids:
+            self._evicted_rids.discard(rid)
+            self._ended[rid] = (msg[2] or {}, (msg[3] or {}).get("completion_tokens") or 0)
+            snap = self._drop_on_end.pop(rid, None)
+            if snap is not None:
+                del self._ended[rid]
+                self._drop(snap)
         owner = self._rows.get(rid)
         if owner is None:
             if kind == "end":  # a candidate kvflow stopped: what the engine made after the stop
@@ -311,7 +484,7 @@ class SGLangEngine:
             cands.append(Candidate(problem=0, source=r.request.proposer, index=i, token_ids=list(ids),
                                    text=self.tokenizer.decode(text_ids), logprobs=row.logprobs,
                                    entropies=row.entropies, finish=row.finish, signals=row.signals))
-        return Proposal(r.request, cands)
+        return Proposal(r.request, cands, handle=r.rows if isinstance(r.request.state, EvictedState) else None)
 
     # ------------------------------------------------------------------ scoring
 
@@ -339,6 +512,16 @@ class SGLangEngine:
             self._count_prefix(msg[3])
             out.append([float(x) for x in msg[2]])
         return out
+
+
+def _resident_after(resident: int, n: int, evictor) -> int:
+    """Tokens per (layer, head) after appending n to `resident`, compacting to `budget`
+    whenever `budget + buffer` is reached (what the scheduler-side cache does)."""
+    for _ in range(n):
+        resident += 1
+        if resident >= evictor.trigger:
+            resident = evictor.params.budget
+    return resident
 
 
 def _ends_delimiter(row: _Row, piece: str, delimiter: str) -> bool:

@@ -1,4 +1,5 @@
-"""kvflow's SGLang plugin (entry point group `sglang.srt.plugins`): seeded sampling per request.
+"""kvflow's SGLang plugin (entry point group `sglang.srt.plugins`): seeded sampling per request,
+and evicted requests (`evict.py`).
 
 SGLang samples from a per-request seed (`sampling_params["sampling_seed"]`, hashed with the
 token's position: the same seed and prefix give the same tokens, whatever shares the batch)
@@ -41,6 +42,9 @@ def register() -> None:
     HookRegistry.register(_SEEDS, _seed_rows, HookType.AFTER)
     HookRegistry.register(_DRAW, seeded_draw, HookType.REPLACE)
     HookRegistry.register(_NAP, _short_nap, HookType.REPLACE)
+    from kvflow.backends.sglang import evict
+
+    evict.register()  # evicted requests (kvflow's evictors per request, layer and KV head)
 
 
 def _short_nap(sleeper, *args, **kwargs) -> None:

@@ -16,6 +16,8 @@ replies; SGLang's own prints go to stderr):
     → ("score", rid, input_ids, start)       log-probabilities of input_ids[start:]
     ← ("scored", rid, logprobs, meta)
     → ("abort", rid)                         the request ends soon with finish type "abort"
+    → ("state", rid)                         the scheduler's state (KV slots in use, kvflow's snapshots)
+    ← ("state", rid, dict)
     → ("shutdown",)
     ← ("error", rid, message)                a request failed (rid None: the worker failed)
 """
@@ -95,8 +97,19 @@ class _Worker:
         finally:
             self.tasks.pop(rid, None)
 
+    async def state(self, rid) -> None:
+        try:
+            states = await self.engine.tokenizer_manager.get_internal_state()
+            self.send("state", rid, states[0].get("kvflow") or {})
+        except Exception as exc:  # noqa: BLE001
+            self.send("error", rid, f"{type(exc).__name__}: {exc}")
+        finally:
+            self.tasks.pop(rid, None)
+
     def handle(self, msg) -> bool:
         kind = msg[0]
+        if kind == "state":
+            self.tasks[msg[1]] = self.loop.create_task(self.state(msg[1]))
         if kind == "generate":
             self.tasks[msg[1]] = self.loop.create_task(self.generate(*msg[1:]))
         elif kind == "score":

@@ -1,0 +1,397 @@
+"""Evicted requests inside SGLang: kvflow's evictors per (request, layer, KV head), via hooks.
+
+This module runs in SGLang's scheduler process (kvflow's plugin registers its hooks there;
+no SGLang file is changed). A request opts in with `custom_params["kvflow_evict"]`:
+
+    {"evictor": "module:Class", "params": {...}, "rng_key": int, "n_protected": int,
+     "logical": int,            # logical position of the request's first input token
+     "from": snapshot id | None, "save_as": snapshot id | None, "drop": [snapshot ids]}
+
+Layout. SGLang's KV pool has one slot per token holding every head's key and value; nothing
+forces head h and head h' of one slot to hold the same token. An evicted request owns at most
+`budget + buffer` slots in its `req_to_token` row; slot j of (layer l, head h) holds the j-th
+resident token of that head, in time order, exactly the layout of the `hf` cache
+([rows, kv_heads, N, D] per layer). A compaction (when the row reaches `budget + buffer`)
+gathers each (layer, head)'s kept tokens into the first `budget` slots and gives the rest
+back to SGLang's allocator: the request never holds more than `budget + buffer` slots.
+
+Positions. SGLang derives positions from the row length; an evicted request's RoPE position
+is its logical one, so `ForwardBatch.init_new` adds each request's offset (logical - resident).
+
+Step-to-step state. A request that ends with `save_as` leaves a snapshot here (its resident
+keys and values per layer, query window, H2O statistic, position, compaction count) before
+SGLang frees its row; a later request with `from` starts from a copy of it in freshly
+allocated slots (its `prefix_len` is the snapshot's length). That is a fork in O(budget);
+ingesting text is a request from a snapshot whose input is the text, with
+`max_new_tokens = 0`. Snapshots live outside SGLang's pool (plain tensors on the pool's
+device) and go when a later request names them in `drop`, or with the engine.
+
+Hooks (see `register`): `Req.init_next_round_input` (start from a snapshot, never match the
+radix tree), `ForwardBatch.init_new` (positions), `AttentionBackend.forward` (query window,
+H2O statistic: read back from the pool after the backend wrote the new keys, so any attention
+backend with one slot per token works), `process_batch_result_prefill/decode` (compaction),
+`release_kv_cache` (snapshot).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+KEY = "kvflow_evict"
+_INIT = "sglang.srt.managers.schedule_batch.Req.init_next_round_input"
+_FORWARD_BATCH = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
+_ATTENTION = "sglang.srt.layers.attention.base_attn_backend.AttentionBackend.forward"
+_PROCESSOR = "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor"
+_RELEASE = "sglang.srt.mem_cache.common.release_kv_cache"
+_STATE = "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state"
+
+
+@dataclass
+class Snapshot:
+    """An evicted state between requests: resident tokens per (layer, KV head)."""
+
+    keys: torch.Tensor  # [layers, kv_heads, n, D]
+    values: torch.Tensor  # [layers, kv_heads, n, Dv]
+    queries: Optional[torch.Tensor]  # [layers, q_heads, W, D] (query-window evictors)
+    stats: Optional[torch.Tensor]  # [layers, kv_heads, n] float32 (observing evictors)
+    logical: int  # logical position of the next token
+    compactions: int
+    rng_key: int
+    n_protected: int
+
+    @property
+    def length(self) -> int:
+        return int(self.keys.shape[2])
+
+
+@dataclass
+class Live:
+    """A running evicted request's kvflow side (the rest is SGLang's `Req`)."""
+
+    evictor: Any
+    rng_key: int
+    n_protected: int
+    compactions: int
+    resident: int  # tokens in the row (every layer and head)
+    offset: int  # logical position - row position
+    save_as: Optional[str]
+    queries: Optional[list] = None  # per layer [q_heads, W, D]
+    stats: Optional[list] = None  # per layer [kv_heads, trigger + 1] float32
+    pending: int = 0  # tokens the current forward appends (set in init_new)
+
+
+class Runtime:
+    """All kvflow state in one scheduler process (one per tensor-parallel rank)."""
+
+    def __init__(self) -> None:
+        self.snapshots: dict[str, Snapshot] = {}
+        self.live: dict[str, Live] = {}
+        self._evictors: dict[str, Any] = {}
+        self.peak_slots = 0  # most slots one evicted request held (reported in stats)
+        # kvflow's rows of the forward being run (set by ForwardBatch.init_new; the attention
+        # layers see a copy of that ForwardBatch, and overlap scheduling is off: one at a time)
+        self.rows: Optional[list] = None
+
+    # ------------------------------------------------------------------ requests
+
+    def evictor(self, target: str, params: dict):
+        key = target + json.dumps(params, sort_keys=True)
+        ev = self._evictors.get(key)
+        if ev is None:
+            from kvflow.components.base import Evictor
+
+            module, _, name = target.partition(":")
+            cls = getattr(importlib.import_module(module), name)
+            if not (isinstance(cls, type) and issubclass(cls, Evictor)):
+                raise ValueError(f"{target} is not a kvflow Evictor")
+            ev = self._evictors[key] = cls(cls.Params.model_validate(params))
+        return ev
+
+    def begin(self, req, tree_cache) -> None:
+        """A kvflow request is being scheduled: start it from its snapshot (once)."""
+        spec = req.sampling_params.custom_params[KEY]
+        self.req_to_token_pool = tree_cache.req_to_token_pool
+        self.kv = tree_cache.token_to_kv_pool_allocator.get_kvcache()
+        for sid in spec.get("drop") or ():
+            self.snapshots.pop(sid, None)
+        live = self.live.get(req.rid)
+        if live is None:
+            ev = self.evictor(spec["evictor"], spec["params"])
+            snap = self.snapshots[spec["from"]] if spec.get("from") else None
+            n = snap.length if snap is not None else 0
+            logical = snap.logical if snap is not None else int(spec.get("logical") or 0)
+            live = Live(ev, int(spec["rng_key"]), int(snap.n_protected if snap else spec["n_protected"]),
+                        snap.compactions if snap else 0, n, logical - n, spec.get("save_as"))
+            self.live[req.rid] = live
+            req.skip_radix_cache_insert = True  # the row's slots do not hold the tokens the tree would key
+            if snap is not None:
+                self._restore(req, tree_cache, snap, live)
+        if live.resident:
+            req.prefix_len = live.resident
+
+    def _restore(self, req, tree_cache, snap: Snapshot, live: Live) -> None:
+        n = snap.length
+        pool = tree_cache.req_to_token_pool
+        allocator = tree_cache.token_to_kv_pool_allocator
+        if pool.alloc([req]) is None:
+            raise RuntimeError("kvflow: no free request row for an evicted request")
+        slots = allocator.alloc(n)
+        if slots is None:
+            pool.free(req)
+            raise RuntimeError("kvflow: no free KV slots for an evicted request's state")
+        kv = allocator.get_kvcache()
+        for layer in range(snap.keys.shape[0]):
+            kv.k_buffer[layer][slots] = snap.keys[layer].transpose(0, 1).to(kv.k_buffer[layer].dtype)
+            kv.v_buffer[layer][slots] = snap.values[layer].transpose(0, 1).to(kv.v_buffer[layer].dtype)
+        pool.req_to_token[req.kv.req_pool_idx, :n] = slots.to(pool.req_to_token.dtype)
+        req.kv.kv_committed_len = req.kv.kv_allocated_len = n
+        req.kv.cache_protected_len = 0
+        if snap.queries is not None:
+            live.queries = [q.clone() for q in snap.queries]
+        if snap.stats is not None:
+            cap = live.evictor.trigger + 1
+            live.stats = [torch.nn.functional.pad(s, (0, cap - n)) for s in snap.stats]
+
+    # ------------------------------------------------------------------ forwards
+
+    def plan(self, batch, forward_batch) -> None:
+        """Offsets for the positions, and which rows of the forward are kvflow's."""
+        reqs = batch.reqs
+        mine = [(i, self.live.get(r.rid)) for i, r in enumerate(reqs)]
+        mine = [(i, live) for i, live in mine if live is not None]
+        self.rows = None
+        if not mine:
+            return
+        decode = forward_batch.forward_mode.is_decode()
+        if decode:
+            counts = [1] * len(reqs)
+        else:
+            counts = list(batch.extend_lens)
+        starts = [0]
+        for c in counts:
+            starts.append(starts[-1] + c)
+        offsets = torch.zeros(starts[-1], dtype=forward_batch.positions.dtype)
+        rows = []
+        for i, live in mine:
+            live.pending = counts[i]
+            if live.offset:
+                offsets[starts[i] : starts[i + 1]] = live.offset
+            rows.append((i, starts[i], counts[i], live, reqs[i].kv.req_pool_idx))
+        if bool(offsets.any()):
+            forward_batch.positions = forward_batch.positions + offsets.to(forward_batch.positions.device)
+        self.rows = rows
+
+    def attended(self, q, layer, forward_batch) -> None:
+        """After a layer's attention wrote its keys: the query window and H2O's statistic."""
+        rows = self.rows
+        lid = layer.layer_id
+        head_dim = layer.qk_head_dim if hasattr(layer, "qk_head_dim") else layer.head_dim
+        q = q.reshape(q.shape[0], -1, head_dim)  # [tokens, q_heads, D]
+        req_to_token = self.req_to_token_pool.req_to_token
+        kv = self.kv
+        for _, start, count, live, pool_idx in rows:
+            ev = live.evictor
+            if not ev.query_window and not ev.observes_attention:
+                continue
+            new = q[start : start + count].transpose(0, 1)  # [q_heads, T, D]
+            if ev.query_window:
+                w = ev.query_window
+                if live.queries is None:
+                    live.queries = []
+                while len(live.queries) <= lid:
+                    live.queries.append(None)
+                old = live.queries[lid]
+                if old is None:
+                    old = new.new_zeros(new.shape[0], w, new.shape[2])
+                live.queries[lid] = torch.cat([old, new], dim=1)[:, -w:].clone()
+            if ev.observes_attention:
+                span = live.resident + count
+                slots = req_to_token[pool_idx, :span].long()
+                keys = kv.get_key_buffer(lid)[slots].transpose(0, 1)[None]  # [1, kv_heads, span, D]
+                if live.stats is None:
+                    live.stats = []
+                while len(live.stats) <= lid:
+                    live.stats.append(None)
+                if live.stats[lid] is None:
+                    live.stats[lid] = torch.zeros(keys.shape[1], ev.trigger + 1, dtype=torch.float32,
+                                                  device=keys.device)
+                t = torch.arange(count, device=keys.device)
+                mask = (torch.arange(span, device=keys.device)[None, :] <= (live.resident + t)[:, None])[None]
+                ev.observe(live.stats[lid][None, :, :span], new[None].to(keys.dtype), keys, mask,
+                           layer_idx=lid, scaling=layer.scaling)
+
+    def forwarded(self, processor, batch) -> None:
+        """After a forward's results: count its tokens; compact running rows that are due."""
+        for i, req in enumerate(batch.reqs):
+            live = self.live.get(req.rid)
+            if live is None or not live.pending:
+                continue
+            live.resident += live.pending
+            live.pending = 0
+            self.peak_slots = max(self.peak_slots, live.resident)
+            if req.finished() or live.resident < live.evictor.trigger:
+                continue
+            self._compact_row(processor, batch, i, req, live)
+
+    def _compact_row(self, processor, batch, i: int, req, live: Live) -> None:
+        pool = processor.req_to_token_pool
+        kv = processor.token_to_kv_pool_allocator.get_kvcache()
+        n, budget = live.resident, live.evictor.params.budget
+        slots = pool.req_to_token[req.kv.req_pool_idx, :n].long()
+        keys, values = self._read(kv, slots)
+        keys, values, queries, stats = self._compacted(live, keys, values)
+        for layer in range(keys.shape[0]):
+            kv.k_buffer[layer][slots[:budget]] = keys[layer].transpose(0, 1)
+            kv.v_buffer[layer][slots[:budget]] = values[layer].transpose(0, 1)
+        processor.tree_cache.free_kv_row(req.kv, [(budget, n)])
+        req.kv.kv_committed_len = req.kv.kv_allocated_len = budget
+        batch.seq_lens[i] = budget
+        batch.seq_lens_cpu[i] = budget
+        if getattr(batch, "orig_seq_lens", None) is not None:
+            batch.orig_seq_lens[i] = budget
+        batch.seq_lens_sum = None
+        live.offset += n - budget
+        live.resident = budget
+        live.compactions += 1
+        if stats is not None:
+            cap = live.evictor.trigger + 1
+            live.stats = [torch.nn.functional.pad(s, (0, cap - budget)) for s in stats]
+
+    @staticmethod
+    def _read(kv, slots: torch.Tensor):
+        keys = torch.stack([kv.k_buffer[l][slots].transpose(0, 1) for l in range(len(kv.k_buffer))])
+        values = torch.stack([kv.v_buffer[l][slots].transpose(0, 1) for l in range(len(kv.v_buffer))])
+        return keys, values  # [layers, kv_heads, n, D]
+
+    def _compacted(self, live: Live, keys: torch.Tensor, values: torch.Tensor):
+        """The evictor's kept tokens per (layer, head), exactly as the `hf` cache keeps them.
+        keys, values: [layers, kv_heads, n, D] -> [layers, kv_heads, budget, D]."""
+        ev = live.evictor
+        n = keys.shape[2]
+        gen = torch.Generator().manual_seed((live.rng_key * 1_000_003 + live.compactions) % 2**63)
+        lengths = torch.tensor([n])
+        protected = torch.tensor([live.n_protected])
+        kept_k, kept_v, kept_s = [], [], []
+        for layer in range(keys.shape[0]):
+            queries = live.queries[layer][None] if live.queries is not None else None
+            stats = live.stats[layer][None, :, :n] if live.stats is not None else None
+            keep = ev.select(keys[layer][None], values[layer][None], queries, layer_idx=layer, lengths=lengths,
+                             n_protected=protected, generators=[gen], stats=stats)[0]  # [kv_heads, budget]
+            idx = keep.to(keys.device)
+            kept_k.append(keys[layer].gather(1, idx[..., None].expand(-1, -1, keys.shape[-1])))
+            kept_v.append(values[layer].gather(1, idx[..., None].expand(-1, -1, values.shape[-1])))
+            if stats is not None:
+                kept_s.append(stats[0].gather(1, idx))
+        return torch.stack(kept_k), torch.stack(kept_v), live.queries, (kept_s or None)
+
+    # ------------------------------------------------------------------ end of a request
+
+    def released(self, req, tree_cache) -> None:
+        """Before SGLang frees an evicted request's row: keep its state if asked to."""
+        live = self.live.pop(req.rid, None)
+        if live is None or not live.save_as or _aborted(req) or not req.kv.holds_kv:
+            return
+        n = live.resident + live.pending  # its last forward's results are being processed
+        self.peak_slots = max(self.peak_slots, n)
+        kv = tree_cache.token_to_kv_pool_allocator.get_kvcache()
+        slots = tree_cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n].long()
+        keys, values = self._read(kv, slots)
+        stats = [s[:n] for s in live.stats] if live.stats is not None else None
+        offset, compactions = live.offset, live.compactions
+        if n >= live.evictor.trigger:  # it ended on the token that made it due: compact the copy
+            keys, values, _, stats = self._compacted(live, keys, values)
+            offset += n - live.evictor.params.budget
+            n = live.evictor.params.budget
+            compactions += 1
+        self.snapshots[live.save_as] = Snapshot(
+            keys.clone(), values.clone(),
+            torch.stack(live.queries) if live.queries else None,
+            torch.stack(stats) if stats else None,
+            logical=n + offset, compactions=compactions, rng_key=live.rng_key, n_protected=live.n_protected)
+
+
+def _aborted(req) -> bool:
+    reason = getattr(req, "finished_reason", None)
+    return reason is not None and type(reason).__name__ == "FINISH_ABORT"
+
+
+RUNTIME = Runtime()
+
+
+def _spec(req) -> Optional[dict]:
+    params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+    return params.get(KEY) if isinstance(params, dict) else None
+
+
+# ---------------------------------------------------------------------- hooks
+
+
+def _init_round(original, req, tree_cache=None, *args, **kwargs):
+    if _spec(req) is None:
+        return original(req, tree_cache, *args, **kwargs)
+    # an evicted request never matches the radix tree: a key of its own misses (its input ids
+    # stand in for evicted tokens; the slots hold other tokens per head)
+    req.extra_key = "kvflow-evict:" + req.rid
+    out = original(req, tree_cache, *args, **kwargs)
+    RUNTIME.begin(req, tree_cache)
+    return out
+
+
+def _forward_batch(result, *args, **kwargs):
+    batch = kwargs.get("batch") or next(a for a in args if hasattr(a, "reqs"))
+    RUNTIME.rows = None
+    if RUNTIME.live:
+        RUNTIME.plan(batch, result)
+    return result
+
+
+def _attention(original, backend, q, k, v, layer, forward_batch, *args, **kwargs):
+    out = original(backend, q, k, v, layer, forward_batch, *args, **kwargs)
+    if RUNTIME.rows:
+        RUNTIME.attended(q, layer, forward_batch)
+    return out
+
+
+def _after_result(result, processor, batch, *args, **kwargs):
+    if RUNTIME.live:
+        RUNTIME.forwarded(processor, batch)
+    return result
+
+
+def _release(req, tree_cache, *args, **kwargs):
+    if req.rid in RUNTIME.live:
+        RUNTIME.released(req, tree_cache)
+    return None
+
+
+def _internal_state(result, controller, *args, **kwargs):
+    """`Engine.get_server_info()` gains a `kvflow` entry: KV slots in use, snapshots held."""
+    scheduler = controller.scheduler
+    allocator = scheduler.token_to_kv_pool_allocator
+    result.internal_state["kvflow"] = {
+        "kv_slots_total": int(scheduler.max_total_num_tokens),
+        "kv_slots_free": int(allocator.available_size()),
+        "evicted_requests": len(RUNTIME.live),
+        "evicted_request_slots": {rid: live.resident for rid, live in RUNTIME.live.items()},
+        "peak_request_slots": RUNTIME.peak_slots,
+        "snapshots": len(RUNTIME.snapshots),
+        "snapshot_tokens": sum(s.length for s in RUNTIME.snapshots.values()),
+    }
+    return result
+
+
+def register() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(_INIT, _init_round, HookType.AROUND)
+    HookRegistry.register(_FORWARD_BATCH, _forward_batch, HookType.AFTER)
+    HookRegistry.register(_ATTENTION, _attention, HookType.AROUND)
+    HookRegistry.register(_PROCESSOR + ".process_batch_result_prefill", _after_result, HookType.AFTER)
+    HookRegistry.register(_PROCESSOR + ".process_batch_result_decode", _after_result, HookType.AFTER)
+    HookRegistry.register(_RELEASE, _release, HookType.BEFORE)
+    HookRegistry.register(_STATE, _internal_state, HookType.AFTER)
