@@ -50,10 +50,18 @@ def check_models(loaded: LoadedPipeline, registry=None) -> None:
                 f"set models.{key}.backend: {allowed[0]} (or score with `likelihood`, which runs on any engine)"))
     for name, prop in loaded.pipeline.proposers.items():
         backend = loaded.pipeline.models[prop.model].backend
-        if prop.evictor.kind != "none" and not getattr(registry.get("backends", backend), "evicts", True):
+        loader = registry.get("backends", backend)
+        if prop.evictor.kind == "none":
+            continue
+        if not getattr(loader, "evicts", True):
             problems.append(loaded.problem(
                 f"proposers.{name}.evictor", f"backend '{backend}' (models.{prop.model}.backend) runs full-context "
                 f"proposers only, not evictor '{prop.evictor.kind}'", "put this proposer's model on backend 'hf'"))
+        elif hasattr(loader, "check_evictor"):  # what a backend cannot do with an evictor, said before loading
+            why = loader.check_evictor(loaded.pipeline.models[prop.model], loaded.components.proposers[name].evictor.params)
+            if why:
+                where = f"proposers.{name}.evictor.{why[0]}" if why[0].startswith("params") else f"models.{prop.model}.{why[0]}"
+                problems.append(loaded.problem(where.replace(".params.", "."), why[1]))
     if problems:
         raise UserError(problems)
 

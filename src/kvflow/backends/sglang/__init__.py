@@ -1,14 +1,16 @@
-"""The `sglang` backend: full-context proposers and scorers served by SGLang's engine.
+"""The `sglang` backend: full-context and evicted proposers and scorers served by SGLang's engine.
 
 - `engine.py`   the kvflow engine protocol over an SGLang worker (`SGLangEngine`);
 - `worker.py`   the worker process that owns `sglang.Engine` (SGLang kills its parent when
                 one of its processes dies, so that parent is not kvflow's own process);
 - `client.py`   starting and talking to workers, one per set of engine arguments;
 - `plugin.py`   kvflow's SGLang plugin (seeded sampling on every attention backend);
+- `evict.py`    evicted requests inside SGLang's scheduler (kvflow's evictors per request,
+                layer and KV head), registered by the plugin;
 - `settings.py` the engine arguments: defaults per device, a model entry's `engine:`
                 settings checked against SGLang's own server arguments.
 
-Install: `scripts/install.sh sglang` (docs/backends.md). Evicted proposers stay on `hf`.
+Install: `scripts/install.sh sglang` (docs/backends.md).
 """
 
 from __future__ import annotations
@@ -22,10 +24,19 @@ class SGLangBackend:
     """SGLang's offline engine in a worker process (GPU, or CPU through kvflow's CPU platform).
 
     Registered as backend `sglang`; `load()` returns an `SGLangEngine`. Runs full-context
-    proposers (evictor `none`) and the scorers that need prompt log-probabilities."""
+    proposers, evicted proposers (every registered evictor but quantized storage) and the
+    scorers that need prompt log-probabilities."""
 
     name = "sglang"
-    evicts = False  # proposers with an evictor other than `none` are refused at validation
+    evicts = True
+
+    @staticmethod
+    def check_evictor(model_cfg, params) -> Optional[tuple[str, str]]:
+        """None if an evicted proposer with these evictor params can run on this model entry,
+        else (field, sentence): `params.<name>` of the evictor, or `engine.<name>` of the model."""
+        from kvflow.backends.sglang.settings import check_evicting
+
+        return check_evicting(model_cfg, params)
 
     @staticmethod
     def check(model_cfg) -> Optional[Any]:

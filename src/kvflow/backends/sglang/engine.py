@@ -129,6 +129,7 @@ class SGLangEngine:
         self._ingests: dict[str, Any] = {}  # ingest request rid -> its end message (None: waiting)
         self._specs: dict[int, dict] = {}
         self._evicted_rids: set[str] = set()  # evicted candidates whose end has not arrived
+        self.dump_dir: Optional[str] = None  # set: the scheduler saves every snapshot there (`<snap>.pt`)
 
     def reset(self) -> None:
         for r in self.running:
@@ -271,6 +272,8 @@ class SGLangEngine:
                                                "params": s.evictor.params.model_dump(mode="json")}
         spec = dict(ev, rng_key=rng_key, n_protected=s.n_protected, logical=s.cached, save_as=save_as)
         spec["from"] = s.snap
+        if self.dump_dir:
+            spec["dump"] = str(self.dump_dir)
         spec["drop"], self._drops = self._drops, []
         return spec
 

@@ -5,7 +5,8 @@ no SGLang file is changed). A request opts in with `custom_params["kvflow_evict"
 
     {"evictor": "module:Class", "params": {...}, "rng_key": int, "n_protected": int,
      "logical": int,            # logical position of the request's first input token
-     "from": snapshot id | None, "save_as": snapshot id | None, "drop": [snapshot ids]}
+     "from": snapshot id | None, "save_as": snapshot id | None, "drop": [snapshot ids],
+     "dump": directory | None}  # torch.save the snapshot there too (inspection, tests)
 
 Layout. SGLang's KV pool has one slot per token holding every head's key and value; nothing
 forces head h and head h' of one slot to hold the same token. An evicted request owns at most
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -83,6 +85,7 @@ class Live:
     queries: Optional[list] = None  # per layer [q_heads, W, D]
     stats: Optional[list] = None  # per layer [kv_heads, trigger + 1] float32
     pending: int = 0  # tokens the current forward appends (set in init_new)
+    dump: Optional[str] = None  # a directory to save the snapshot in (torch.save), if asked
 
 
 class Runtime:
@@ -93,6 +96,7 @@ class Runtime:
         self.live: dict[str, Live] = {}
         self._evictors: dict[str, Any] = {}
         self.peak_slots = 0  # most slots one evicted request held (reported in stats)
+        self.compactions = 0  # compactions of running rows (a saved copy compacted at the end: not counted)
         # kvflow's rows of the forward being run (set by ForwardBatch.init_new; the attention
         # layers see a copy of that ForwardBatch, and overlap scheduling is off: one at a time)
         self.rows: Optional[list] = None
@@ -127,6 +131,7 @@ class Runtime:
             logical = snap.logical if snap is not None else int(spec.get("logical") or 0)
             live = Live(ev, int(spec["rng_key"]), int(snap.n_protected if snap else spec["n_protected"]),
                         snap.compactions if snap else 0, n, logical - n, spec.get("save_as"))
+            live.dump = spec.get("dump")
             self.live[req.rid] = live
             req.skip_radix_cache_insert = True  # the row's slots do not hold the tokens the tree would key
             if snap is not None:
@@ -258,6 +263,7 @@ class Runtime:
         live.offset += n - budget
         live.resident = budget
         live.compactions += 1
+        self.compactions += 1
         if stats is not None:
             cap = live.evictor.trigger + 1
             live.stats = [torch.nn.functional.pad(s, (0, cap - budget)) for s in stats]
@@ -308,11 +314,13 @@ class Runtime:
             offset += n - live.evictor.params.budget
             n = live.evictor.params.budget
             compactions += 1
-        self.snapshots[live.save_as] = Snapshot(
+        snap = self.snapshots[live.save_as] = Snapshot(
             keys.clone(), values.clone(),
             torch.stack(live.queries) if live.queries else None,
             torch.stack(stats) if stats else None,
             logical=n + offset, compactions=compactions, rng_key=live.rng_key, n_protected=live.n_protected)
+        if live.dump:  # for inspection and tests: what the state keeps, per (layer, KV head)
+            torch.save(vars(snap), os.path.join(live.dump, f"{live.save_as}.pt"))
 
 
 def _aborted(req) -> bool:
@@ -379,6 +387,7 @@ def _internal_state(result, controller, *args, **kwargs):
         "evicted_requests": len(RUNTIME.live),
         "evicted_request_slots": {rid: live.resident for rid, live in RUNTIME.live.items()},
         "peak_request_slots": RUNTIME.peak_slots,
+        "compactions": RUNTIME.compactions,
         "snapshots": len(RUNTIME.snapshots),
         "snapshot_tokens": sum(s.length for s in RUNTIME.snapshots.values()),
     }

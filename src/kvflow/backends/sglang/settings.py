@@ -64,6 +64,28 @@ def server_arg_names() -> frozenset[str]:
     return frozenset(inspect.signature(ServerArgs).parameters)
 
 
+#: engine settings an evicted request cannot run under: (value that breaks it, why)
+EVICTING_REFUSES = {
+    "disable_overlap_schedule": (False, "kvflow's plugin compacts the batch that just ran; with overlap "
+                                        "scheduling the next one is already prepared"),
+    "page_size": (lambda v: v not in (None, 1), "a head keeps its own tokens in a request's slots: one token per page"),
+    "enable_mixed_chunk": (True, "evicted requests are extended and decoded in separate forwards"),
+    "speculative_algorithm": (lambda v: v is not None, "speculative decoding writes draft tokens kvflow does not evict"),
+}
+
+
+def check_evicting(model_cfg, params) -> Optional[tuple[str, str]]:
+    if getattr(params, "quantize", None):
+        return ("params.quantize", "backend 'sglang' does not store quantized KV (SGLang's pool has one "
+                                   "precision per layer); use backend 'hf' for `quantize`")
+    for key, (bad, why) in EVICTING_REFUSES.items():
+        if key in (model_cfg.engine or {}):
+            value = model_cfg.engine[key]
+            if (bad(value) if callable(bad) else value == bad):
+                return (f"engine.{key}", f"`{key}: {value}` cannot run an evicted proposer: {why}")
+    return None
+
+
 def check_settings(model_cfg) -> Optional[tuple[str, str]]:
     import difflib
 

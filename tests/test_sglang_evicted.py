@@ -1,0 +1,201 @@
+"""Evicted proposers on SGLang (kvflow's plugin, `kvflow.backends.sglang.evict`): every
+registered evictor keeps what `hf` keeps and decodes the same tokens, the request's KV stays
+within `budget + buffer` slots while a full-context one grows, positions keep advancing past
+compactions, what cannot run is refused before loading, and a KV-Rescue run with every model
+on SGLang commits what the all-`hf` run commits.
+
+The engine is the session's shared one (`shared_tiny_qwen`, float32, greedy unless said).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import require_sglang
+from kvflow.components.engine import ProposeRequest, SamplingSpec, StartRequest, SyncRequest
+from kvflow.config.schema import ModelConfig
+from kvflow.registry import get_registry
+from kvflow.testing import tiny_pipeline
+from kvflow.testing.engine_contract import run_to_end
+
+QUESTION = "Natalia sold 48 clips in April and half as many in May. How many clips did she sell?"
+NEVER = "\x00\x01"  # a delimiter the tiny model never writes: steps run to max_step_tokens
+
+
+@pytest.fixture(scope="module")
+def sglang_engine(shared_tiny_qwen):
+    require_sglang()
+    from kvflow.backends.sglang import SGLangBackend
+
+    return SGLangBackend.load(ModelConfig(backend="sglang", id=str(shared_tiny_qwen), dtype="float32", device="cpu"))
+
+
+@pytest.fixture(scope="module")
+def hf_engine(shared_tiny_qwen):
+    from kvflow.backends.hf.engine import HFBackend
+
+    return HFBackend.load(ModelConfig(id=str(shared_tiny_qwen), dtype="float32", device="cpu"))
+
+
+def _prompt(engine) -> str:
+    return engine.tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], tokenize=False,
+                                                add_generation_prompt=True)
+
+
+def _evictor(kind: str, **params):
+    cls = get_registry().get("evictors", kind)
+    return cls(cls.Params(**{"budget": 16, "buffer": 8, "window": 4, **params}))
+
+
+def _unquantized_evictors() -> list[str]:
+    reg = get_registry()
+    return [n for n in reg.names("evictors") if reg.get("evictors", n).bounded and n != "breadthkv"]
+
+
+def _steps(engine, evictor, *, rng_key=7, n_steps=4, spec=None):
+    """Greedy steps from one prompt: adopt candidate 0, then 1, then ingest candidate 0's
+    text (another proposer's path). Returns (per step: tokens, finish, logprobs), last state."""
+    spec = spec or SamplingSpec(2, 0.0, 1.0, 30, NEVER)
+    (state,) = engine.start([StartRequest(_prompt(engine), evictor, rng_key)])
+    steps = []
+    for k in range(n_steps):
+        (p,) = run_to_end(engine, [ProposeRequest(state, "base", spec, k, 400)])
+        steps.append([(c.token_ids, c.finish, c.logprobs) for c in p.candidates])
+        own = k if k < 2 else None
+        (state,) = engine.sync([SyncRequest(state, p, own, p.candidates[0].text)])
+    return steps, state
+
+
+def _tokens(steps):
+    return [[(ids, finish) for ids, finish, _ in step] for step in steps]
+
+
+@pytest.mark.parametrize("kind", _unquantized_evictors())
+def test_every_evictor_keeps_what_hf_keeps(kind, sglang_engine, hf_engine, tmp_path):
+    """Same tiny model, float32, greedy, same evictor and seed: the same tokens, log-probs
+    within float noise, and the same kept keys per (layer, KV head) in the final state."""
+    evictor = _evictor(kind)
+    hf_steps, hf_state = _steps(hf_engine, evictor)
+    sglang_engine.dump_dir = str(tmp_path)
+    try:
+        sg_steps, sg_state = _steps(sglang_engine, evictor)
+    finally:
+        sglang_engine.dump_dir = None
+    assert _tokens(sg_steps) == _tokens(hf_steps)
+    for a, b in zip(hf_steps, sg_steps):
+        for (_, _, lp_a), (_, _, lp_b) in zip(a, b):
+            assert lp_b == pytest.approx(lp_a, abs=1e-4)
+    # the last sync ingested text: the state's snapshot is what the scheduler keeps now
+    snap = torch.load(tmp_path / f"{sg_state.snap}.pt")
+    cache = hf_state.cache
+    resident = int(cache.rows.lengths[0])
+    assert snap["keys"].shape[2] == resident == sg_state.resident
+    assert int(cache.rows.compactions[0]) == snap["compactions"] > 0
+    for layer, hf_layer in enumerate(cache.layers):
+        torch.testing.assert_close(snap["keys"][layer], hf_layer.keys[0, :, :resident], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(snap["values"][layer], hf_layer.values[0, :, :resident], atol=1e-4, rtol=1e-4)
+    sglang_engine.release([sg_state])
+
+
+def test_eviction_changes_the_tokens(hf_engine):
+    """The parity above is not vacuous: the evicted run differs from the full-context one."""
+    full, _ = _steps(hf_engine, get_registry().get("evictors", "none")(get_registry().get("evictors", "none").Params()))
+    evicted, _ = _steps(hf_engine, _evictor("streaming"))
+    assert _tokens(full) != _tokens(evicted)
+
+
+def test_seeded_sampling_with_random_eviction_does_not_depend_on_the_batch(sglang_engine):
+    spec = SamplingSpec(2, 1.0, 1.0, 40, NEVER)
+    ev = _evictor("random")
+
+    def run(extra: int):
+        states = sglang_engine.start([StartRequest(_prompt(sglang_engine), ev, 11 + i) for i in range(1 + extra)])
+        props = run_to_end(sglang_engine, [ProposeRequest(s, "base", spec, 3 + i, 400) for i, s in enumerate(states)])
+        sglang_engine.release(states, props)
+        return [c.token_ids for c in props[0].candidates]
+
+    assert run(0) == run(2)
+
+
+def test_an_evicted_request_holds_at_most_budget_plus_buffer_slots(sglang_engine):
+    """Generate far past the budget: the engine's KV pool usage stays flat for the evicted
+    request (read from SGLang's scheduler while it decodes) and grows for a full-context one."""
+    budget, buffer, steps = 16, 8, 160
+
+    def peak_used(evictor) -> tuple[int, int]:
+        spec = SamplingSpec(1, 0.0, 1.0, steps, NEVER)
+        (state,) = sglang_engine.start([StartRequest(_prompt(sglang_engine), evictor, 5)])
+        sglang_engine.submit([ProposeRequest(state, "base", spec, 0, 1000)])
+        peak, done, reads = 0, [], 0
+        while not done:
+            done = sglang_engine.step()
+            info = sglang_engine.server_state()
+            peak = max(peak, info["kv_slots_total"] - info["kv_slots_free"])
+            reads += 1
+        sglang_engine.release([state], done)
+        assert done[0].candidates[0].n_tokens == steps
+        return peak, reads
+
+    evicted_peak, reads = peak_used(_evictor("streaming"))
+    full_peak, _ = peak_used(get_registry().get("evictors", "none")(get_registry().get("evictors", "none").Params()))
+    assert reads > 10  # read while decoding, not only at the end
+    assert evicted_peak <= budget + buffer
+    prompt = len(sglang_engine.encode(_prompt(sglang_engine)))
+    assert full_peak >= prompt + steps - 2
+    info = sglang_engine.server_state()
+    assert info["peak_request_slots"] <= budget + buffer and info["compactions"] > 0
+
+
+def test_quantized_storage_is_refused_naming_the_field(tmp_path, cli):
+    require_sglang()
+    path = tiny_pipeline(tmp_path, problems=1, evictor={"kind": "breadthkv", "budget": 64, "buffer": 32},
+                         extra={"models": {"base": {"backend": "sglang"}}})
+    result = cli("run", path)
+    assert result.exit_code == 2 and "proposers.base.evictor.quantize" in result.output, result.output
+    assert not (tmp_path / "results").exists()
+
+
+def test_engine_settings_an_evicted_proposer_cannot_run_under_are_refused(tmp_path, cli):
+    require_sglang()
+    path = tiny_pipeline(tmp_path, problems=1, evictor={"kind": "rkv", "budget": 16, "buffer": 16},
+                         extra={"models": {"base": {"backend": "sglang", "engine": {"page_size": 16}}}})
+    result = cli("run", path)
+    assert result.exit_code == 2 and "models.base.engine.page_size" in result.output, result.output
+
+
+def _rescue(tmp_path, backend: str, model_dir):
+    """Greedy KV-Rescue on one tiny model: evicted base (R-KV), full-context helper and the
+    likelihood scorer, all on `backend` (on SGLang: one engine, evicted and full-context
+    requests in the same batches)."""
+    model = {"backend": backend, "id": str(model_dir)}
+    extra = {"models": {"base": model, "helper": model},
+             "proposers": {"base": {"sampling": {"temperature": 0}}, "helper": {"sampling": {"temperature": 0}}},
+             "scorer": {"kind": "likelihood", "model": "helper"}}
+    return tiny_pipeline(tmp_path, name=f"rescue_{backend}", problems=2, n=2, max_step_tokens=24, max_tokens=72,
+                         evictor={"kind": "rkv", "budget": 16, "buffer": 8, "window": 4}, extra=extra)
+
+
+def _committed(run_dir):
+    out = {}
+    for r in map(json.loads, (run_dir / "samples.jsonl").read_text().splitlines()):
+        out[r["id"]] = [(s["text"], s["source"], None if s["score"] is None else round(s["score"], 4))
+                        for s in r["steps"]]
+    return out
+
+
+def test_kv_rescue_with_every_model_on_sglang_commits_what_hf_commits(tmp_path, cli, shared_tiny_qwen):
+    require_sglang()
+    runs = {}
+    for backend in ("hf", "sglang"):
+        result = cli("run", _rescue(tmp_path, backend, shared_tiny_qwen))
+        assert result.exit_code == 0, result.output
+        (run_dir,) = [d for d in (tmp_path / "results").iterdir() if d.name.startswith(f"rescue_{backend}")]
+        runs[backend] = _committed(run_dir)
+    assert runs["sglang"] == runs["hf"]
+    sources = {src for steps in runs["hf"].values() for _, src, _ in steps}
+    assert sources == {"base", "helper"}  # both proposers' paths (adopt and ingest) were taken
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["engine_stats"]
