@@ -181,7 +181,6 @@ def test_engine_settings_are_checked_against_sglang_server_arguments(tmp_path, c
         ({"models": {"helper": {"backend": "sglang", "engine": {"dtype": "float16"}}}},
          "models.helper.engine.dtype", "set by kvflow"),
         ({"models": {"helper": {"engine": {"tp_size": 2}}}}, "models.helper.engine", "takes no engine settings"),
-        ({"models": {"base": {"backend": "sglang"}}}, "proposers.base.evictor", "full-context proposers only"),
     ]
     for i, (extra, where, words) in enumerate(cases):
         path = tiny_pipeline(tmp_path / str(i), problems=1, extra=extra)
@@ -239,7 +238,7 @@ def test_a_crashed_worker_stops_the_run_clearly_and_the_rerun_resumes(tmp_path, 
 
 @pytest.mark.e2e
 def test_the_sglang_quickstart_runs_end_to_end_on_a_catalog_checkpoint(tmp_path, cli):
-    """pipelines/sglang/quickstart.yaml (evicted base on hf, helper and scorer on SGLang),
+    """pipelines/sglang/quickstart.yaml (evicted base, helper and scorer on one SGLang engine),
     shrunk, on SmolLM2-135M: a real tokenizer, chat template and GGUF-converted weights."""
     require_sglang()
     path = tiny_pipeline(tmp_path, include=REPO / "pipelines" / "sglang" / "quickstart.yaml",

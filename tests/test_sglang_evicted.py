@@ -199,3 +199,29 @@ def test_kv_rescue_with_every_model_on_sglang_commits_what_hf_commits(tmp_path, 
     assert sources == {"base", "helper"}  # both proposers' paths (adopt and ingest) were taken
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["engine_stats"]
+
+
+def test_tensor_parallel_ranks_keep_the_budgets_of_their_own_heads(shared_tiny_qwen, hf_engine):
+    """tp_size 2 on the CPU (one core per rank: kvflow sets SGLang's thread binding): each
+    rank evicts its own KV head, and a deterministic evictor keeps what tp_size 1 keeps, so
+    the greedy tokens equal `hf`'s. (Stochastic evictors draw over the heads a rank holds:
+    their kept sets differ across tensor-parallel sizes, as documented.)"""
+    require_sglang()
+    from kvflow.backends.sglang import SGLangBackend
+
+    engine = SGLangBackend.load(ModelConfig(backend="sglang", id=str(shared_tiny_qwen), dtype="float32",
+                                            device="cpu", engine={"tp_size": 2}))
+    try:
+        spec = SamplingSpec(1, 0.0, 1.0, 60, NEVER)
+        for kind in ("rkv", "h2o"):
+            got = {}
+            for e in (hf_engine, engine):
+                (state,) = e.start([StartRequest(_prompt(e), _evictor(kind), 1)])
+                (p,) = run_to_end(e, [ProposeRequest(state, "base", spec, 0, 400)])
+                got[e.backend] = p.candidates[0].token_ids
+                e.release([state], [p])
+            assert got["sglang"] == got["hf"], kind
+        info = engine.server_state()
+        assert info["compactions"] > 0 and info["peak_request_slots"] <= 16 + 8
+    finally:
+        engine.worker.close()

@@ -33,6 +33,23 @@ class EngineError(KvflowError):
     """The SGLang engine failed or exited."""
 
 
+def cpu_binding(engine_kwargs: dict) -> Optional[str]:
+    """Cores per rank for SGLang's CPU path with several ranks (`SGLANG_CPU_OMP_THREADS_BIND`):
+    this process's cores in equal contiguous groups ("0|1" for tp_size 2 on two cores).
+    SGLang's own default binds a rank per NUMA node and refuses more ranks than nodes."""
+    ranks = 1
+    for key in ("tp_size", "dp_size", "pp_size"):
+        ranks *= int(engine_kwargs.get(key) or 1)
+    if engine_kwargs.get("device") != "cpu" or ranks < 2:
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < ranks:
+        return None  # SGLang's message says what to set
+    per = len(cores) // ranks
+    groups = [cores[i * per : (i + 1) * per] for i in range(ranks)]
+    return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
+
+
 class Worker:
     def __init__(self, proc: subprocess.Popen, log_path: str, where: str) -> None:
         self.proc, self.log_path, self.where = proc, log_path, where
@@ -50,6 +67,9 @@ class Worker:
         # SGLang's torch threads must not spin between ops while an `hf` engine in this
         # process decodes on the same cores
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        binding = cpu_binding(engine_kwargs)
+        if binding and "SGLANG_CPU_OMP_THREADS_BIND" not in env:
+            env["SGLANG_CPU_OMP_THREADS_BIND"] = binding
         proc = subprocess.Popen([sys.executable, "-m", "kvflow.backends.sglang.worker"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True)
         log.close()
