@@ -71,12 +71,12 @@ def require_sglang() -> None:
 
 
 @pytest.fixture(scope="session")
-def shared_tiny_qwen(tmp_path_factory):
+def shared_tiny_qwen():
     """One tiny Qwen2 directory for the whole session, so that every SGLang test on it shares
     one engine (an SGLang engine takes ~20 s to start on a CPU)."""
-    from kvflow.testing.pipelines import tiny_model_dir
+    from kvflow.testing.engine_parity import shared_model_dir
 
-    return tiny_model_dir(tmp_path_factory.mktemp("shared-models"), "qwen2", seed=3)
+    return shared_model_dir("qwen2", seed=3)  # the evictor contract's engine axis uses the same one
 
 
 @pytest.fixture(autouse=True)

@@ -36,6 +36,9 @@ What is checked, for bounded evictors (for `bounded = False` ones only what appl
   different compaction times and kept sets) decoded in one batch give the same tokens and
   the same cache as each row decoded alone; forking and joining rows carries their state;
 - float32 and bfloat16 decoding with compactions stays finite;
+- every engine: on each registered backend that evicts (SGLang through kvflow's plugin), the
+  same greedy steps, log-probabilities and kept keys per (layer, KV head) as on `hf`
+  (`kvflow.testing.engine_parity`; skipped where the backend is not installed);
 - the checks of `kvflow.testing.component_contract` (frozen, described Params; docstrings).
 """
 
@@ -96,6 +99,14 @@ def _shapes(arch: str) -> tuple[int, int, int]:
     _, extra = ARCHITECTURES[arch]
     hidden = extra.get("hidden_size", 64)
     return extra["num_attention_heads"], extra["num_key_value_heads"], hidden // extra["num_attention_heads"]
+
+
+def _evicting_backends() -> list[str]:
+    """Registered backends besides `hf` whose engines run evicted proposers."""
+    from kvflow.registry import get_registry
+
+    reg = get_registry()
+    return [n for n in reg.names("backends") if n != "hf" and getattr(reg.get("backends", n), "evicts", True)]
 
 
 class EvictorContract(ComponentContract):
@@ -337,6 +348,18 @@ class EvictorContract(ComponentContract):
             pending = runner.forward(cache, pending[:, None]).argmax(-1).cpu()
             mixed_pending = runner.forward(mixed, mixed_pending[:, None]).argmax(-1).cpu()
             assert mixed_pending.tolist() == pending[[2, 0, 1, 1]].tolist()
+
+    # ------------------------------------------------------------------ engines
+
+    @pytest.mark.parametrize("backend", _evicting_backends())
+    def test_same_on_every_engine(self, evictor_factory, backend, tmp_path):
+        from kvflow.testing.engine_parity import assert_same_as_hf
+
+        evictor = self.make(evictor_factory, budget=16, buffer=8, window=4)
+        self._needs_bounded(evictor)
+        if getattr(evictor.params, "quantize", None):
+            pytest.skip("quantized storage runs on hf only")
+        assert_same_as_hf(backend, evictor, tmp_path)
 
     # ------------------------------------------------------------------ dtypes
 

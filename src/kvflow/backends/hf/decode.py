@@ -167,6 +167,15 @@ class HFEngine:
                 out[i] = HFState(cache.select([j]) if len(idx) > 1 else cache, x[-1] if x else s.pending)
         return out
 
+    def kept_kv(self, state: HFState):
+        """What an evicted state keeps: (keys, values [layers, kv_heads, resident, D], compactions)
+        (inspection and the engine parity tests; not for quantized states)."""
+        cache = state.cache
+        n = int(cache.rows.lengths[0])
+        keys = torch.stack([layer.keys[0, :, :n] for layer in cache.layers])
+        values = torch.stack([layer.values[0, :, :n] for layer in cache.layers])
+        return keys, values, int(cache.rows.compactions[0])
+
     def release(self, states: Sequence[HFState], proposals: Sequence[Proposal] = ()) -> None:
         for p in proposals:  # caches are freed with their last reference
             p.handle = None

@@ -303,6 +303,19 @@ class SGLangEngine:
                 raise EngineError(f"{self.worker.where}: SGLang timed out waiting for {what}")
             self._take(self.worker.poll(_POLL_S))  # proposals keep streaming meanwhile
 
+    def kept_kv(self, state: EvictedState):
+        """What an evicted state keeps: (keys, values [layers, kv_heads, resident, D],
+        compactions), from the snapshot the scheduler saved under `dump_dir` (set it before
+        the state is made; inspection and the engine parity tests)."""
+        import os
+
+        import torch
+
+        if not self.dump_dir or not state.snap:
+            raise EngineError("kept_kv needs `dump_dir` set before the state was made")
+        snap = torch.load(os.path.join(self.dump_dir, f"{state.snap}.pt"))
+        return snap["keys"], snap["values"], snap["compactions"]
+
     def server_state(self) -> dict:
         """The scheduler's KV slots in use and kvflow's snapshots (`evict.py`)."""
         rid = self.worker.new_rid("q")

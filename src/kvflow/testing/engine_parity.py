@@ -1,0 +1,96 @@
+"""One evictor on every engine: the same greedy steps, log-probabilities and kept keys as `hf`.
+
+The evictor contract (`kvflow.testing.evictor_contract`) runs `assert_same_as_hf` for every
+registered backend that evicts (`evicts = True`, `hf` being the reference), so a built-in or
+third-party evictor is checked on each engine it may run on. Usable on its own too:
+
+    from kvflow.testing.engine_parity import assert_same_as_hf
+    assert_same_as_hf("sglang", MyEvictor(MyEvictor.Params(budget=16, buffer=8, window=4)))
+
+The scenario, on one tiny random-weight Qwen2 (float32, greedy, shared by every caller in the
+process, so an SGLang engine starts once): a chat prompt, four steps of two candidates that
+run to the step cap (several compactions each), adopting candidate 0, then candidate 1, then
+ingesting candidate 0's text twice (another proposer's path). Compared with `hf`: every
+candidate's tokens and finish, log-probabilities within 1e-4, and the final state's kept keys
+and values per (layer, KV head) and its compaction count (`engine.kept_kv(state)`).
+"""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+from pathlib import Path
+from typing import Any
+
+QUESTION = "Natalia sold 48 clips in April and half as many in May. How many clips did she sell?"
+NEVER = "\x00\x01"  # a delimiter the tiny model never writes: steps run to the cap
+
+
+@functools.lru_cache(maxsize=None)
+def shared_model_dir(arch: str = "qwen2", seed: int = 3) -> Path:
+    """A tiny model directory per (arch, seed) for this process (one SGLang engine per model)."""
+    from kvflow.testing.pipelines import tiny_model_dir
+
+    return tiny_model_dir(Path(tempfile.mkdtemp(prefix="kvflow-parity-")), arch, seed=seed)
+
+
+def load_engine(backend: str, model_dir: Path | None = None):
+    """The engine of `backend` on the shared tiny model (float32, CPU); pytest skips when the
+    backend cannot run here (its own `check()` says why)."""
+    import pytest
+
+    from kvflow.config.schema import ModelConfig
+    from kvflow.registry import get_registry
+
+    loader = get_registry().get("backends", backend)
+    cfg = ModelConfig(backend=backend, id=str(model_dir or shared_model_dir()), dtype="float32", device="cpu")
+    why = loader.check(cfg)
+    if why:
+        pytest.skip(f"backend {backend!r} cannot run here: {why[1] if isinstance(why, tuple) else why}")
+    return loader.load(cfg)
+
+
+def greedy_steps(engine, evictor, *, rng_key: int = 7, n_steps: int = 4, max_step_tokens: int = 30):
+    """The scenario of the module docstring. Returns ([per step: [(tokens, finish, logprobs)]],
+    the final state)."""
+    from kvflow.components.engine import ProposeRequest, SamplingSpec, StartRequest, SyncRequest
+    from kvflow.testing.engine_contract import run_to_end
+
+    prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], tokenize=False,
+                                                  add_generation_prompt=True)
+    spec = SamplingSpec(2, 0.0, 1.0, max_step_tokens, NEVER)
+    (state,) = engine.start([StartRequest(prompt, evictor, rng_key)])
+    steps = []
+    for k in range(n_steps):
+        (p,) = run_to_end(engine, [ProposeRequest(state, "base", spec, k, 400)])
+        steps.append([(c.token_ids, c.finish, c.logprobs) for c in p.candidates])
+        (state,) = engine.sync([SyncRequest(state, p, k if k < 2 else None, p.candidates[0].text)])
+    return steps, state
+
+
+def assert_same_as_hf(backend: str, evictor: Any, tmp_dir: Path | None = None) -> None:
+    """`backend` runs the scenario exactly as `hf` does with this evictor (see the module
+    docstring); an AssertionError says what differed."""
+    import torch
+
+    reference, other = load_engine("hf"), load_engine(backend)
+    if hasattr(other, "dump_dir"):  # the engine keeps its states elsewhere: have them saved for kept_kv
+        other.dump_dir = str(tmp_dir or tempfile.mkdtemp(prefix="kvflow-parity-kv-"))
+    try:
+        want, want_state = greedy_steps(reference, evictor)
+        got, got_state = greedy_steps(other, evictor)
+        for k, (a, b) in enumerate(zip(want, got)):
+            assert [(t, f) for t, f, _ in b] == [(t, f) for t, f, _ in a], f"step {k}: tokens differ from hf's"
+            for lp_a, lp_b in ((x[2], y[2]) for x, y in zip(a, b)):
+                assert max((abs(u - v) for u, v in zip(lp_a, lp_b)), default=0.0) < 1e-4, \
+                    f"step {k}: log-probabilities differ from hf's"
+        keys_a, values_a, compactions_a = reference.kept_kv(want_state)
+        keys_b, values_b, compactions_b = other.kept_kv(got_state)
+        assert compactions_a > 0, "the scenario never compacted: nothing was compared"
+        assert compactions_b == compactions_a, f"compactions: {compactions_b} on {backend}, {compactions_a} on hf"
+        torch.testing.assert_close(keys_b, keys_a, atol=1e-4, rtol=1e-4, msg=lambda m: f"kept keys differ: {m}")
+        torch.testing.assert_close(values_b, values_a, atol=1e-4, rtol=1e-4, msg=lambda m: f"kept values differ: {m}")
+        other.release([got_state])
+    finally:
+        if hasattr(other, "dump_dir"):
+            other.dump_dir = None
