@@ -34,7 +34,7 @@ def main() -> None:
 
     import torch
 
-    from kvflow.backends.hf.engine import HFBackend
+    from kvflow.backends.hf import HFBackend
     from kvflow.backends.sglang import SGLangBackend
     from kvflow.components.base import Pruner, PrunerParams
     from kvflow.components.engine import ProposeRequest, SamplingSpec, StartRequest, SyncRequest

@@ -38,7 +38,7 @@ def sglang_engine(shared_tiny_qwen):
 
 @pytest.fixture(scope="module")
 def hf_engine(shared_tiny_qwen):
-    from kvflow.backends.hf.engine import HFBackend
+    from kvflow.backends.hf import HFBackend
 
     return HFBackend.load(ModelConfig(id=str(shared_tiny_qwen), dtype="float32", device="cpu"))
 

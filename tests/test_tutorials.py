@@ -209,7 +209,13 @@ def check_other(argv: list[str]) -> None:
         dirs = [a for a in args[1:] if not a.startswith("-")]
         assert dirs and all((REPO / d / "pyproject.toml").is_file() for d in dirs), f"not installable: {dirs}"
     elif program == "pytest" or argv[:3] == ["python", "-m", "pytest"]:
-        paths = [a for a in args if not a.startswith("-") and a != "pytest" and a != "-m"]
+        if program == "python":
+            args = args[2:]
+        paths, value = [], False  # options and their values (-k EXPR, -m MARK) are not paths
+        for a in args:
+            if not value and not a.startswith("-"):
+                paths.append(a)
+            value = a in ("-k", "-m")
         assert all((REPO / p).exists() for p in paths), f"no such test path: {paths}"
     elif program == "make":
         targets = re.findall(r"^([\w-]+):", (REPO / "Makefile").read_text(), re.M)

@@ -55,5 +55,5 @@ def register_committers(register):
 
 @hookimpl
 def register_backends(register):
-    register("hf", "kvflow.backends.hf.engine:HFBackend")
+    register("hf", "kvflow.backends.hf:HFBackend")
     register("sglang", "kvflow.backends.sglang:SGLangBackend")

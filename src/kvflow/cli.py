@@ -155,13 +155,15 @@ def validate(
     ```
     """
     from kvflow.config.validate import load_pipeline
+    from kvflow.runtime.compile import check_engine_use
 
     failed = False
     with _errors():
         registry = _registry()
         for f in files:
             try:
-                load_pipeline(f, sets=set_ or (), unsets=unset or (), registry=registry)
+                loaded = load_pipeline(f, sets=set_ or (), unsets=unset or (), registry=registry)
+                check_engine_use(loaded, registry)
             except UserError as e:
                 _err(e.format())
                 failed = True

@@ -90,7 +90,7 @@ def register_backends(register: Register) -> None:
     `kvflow.components.engine.Engine` (start, submit, step, sync, release, ...). The engine
     contract suite `kvflow.testing.engine_contract` checks an implementation. Example::
 
-        register("hf", "kvflow.backends.hf.engine:HFBackend")
+        register("hf", "kvflow.backends.hf:HFBackend")
 
     Added in kvflow 0.1; `check` and the Engine protocol in 0.2.
     """

@@ -39,6 +39,25 @@ def check_models(loaded: LoadedPipeline, registry=None) -> None:
             problems.append(loaded.problem(f"models.{key}.{why[0]}", why[1]))
         elif why:
             problems.append(loaded.problem(f"models.{key}.id", f"model {cfg.id!r} is not available: {why}", CPU_HINT))
+    problems += engine_use_problems(loaded, registry)
+    if problems:
+        raise UserError(problems)
+
+
+def check_engine_use(loaded: LoadedPipeline, registry=None) -> None:
+    """What each engine is asked to run, checked from the pipeline alone (no model, no engine
+    installed needed; `kvflow validate` runs it): a scorer on a backend it cannot use, an
+    evictor on a backend that does not evict, or that the backend cannot run as configured."""
+    problems = engine_use_problems(loaded, registry)
+    if problems:
+        raise UserError(problems)
+
+
+def engine_use_problems(loaded: LoadedPipeline, registry=None) -> list:
+    from kvflow.registry import get_registry
+
+    registry = registry or get_registry()
+    problems = []
     scorer = loaded.components.scorer
     allowed = getattr(scorer.cls, "backends", None)  # a scorer that runs its model its own way
     for key in scorer.cls.models_needed(scorer.params):
@@ -62,8 +81,7 @@ def check_models(loaded: LoadedPipeline, registry=None) -> None:
             if why:
                 where = f"proposers.{name}.evictor.{why[0]}" if why[0].startswith("params") else f"models.{prop.model}.{why[0]}"
                 problems.append(loaded.problem(where.replace(".params.", "."), why[1]))
-    if problems:
-        raise UserError(problems)
+    return problems
 
 
 def build_plan(loaded: LoadedPipeline, registry, on_load: Callable[[str], None] = lambda key: None):

@@ -52,6 +52,7 @@ class TovaEvictor(Evictor):
     def query_window(self) -> int:
         return 1  # only the newest query
 
+    # --8<-- [start:score]
     def score(self, keys, values, queries, *, lengths, **kwargs):
         rows, kv_heads, n, d = keys.shape
         g = queries.shape[1] // kv_heads
@@ -62,3 +63,4 @@ class TovaEvictor(Evictor):
         if self.params.heads == "layer":
             return attention.mean(dim=(1, 2))[:, None, :].expand(rows, kv_heads, n)
         return attention.mean(dim=2)
+    # --8<-- [end:score]

@@ -174,35 +174,3 @@ class HFRunner:
             remaining = [r[len(c):] for r, c in zip(remaining, chunk)]
             self.forward(cache, chunk, logits="none")
 
-
-class HFBackend:
-    """transformers in-process (CPU or GPU): kvflow's batched decode with a budgeted KV cache.
-
-    Registered as backend `hf`; `load()` returns an `HFEngine` (kvflow.backends.hf.decode)."""
-
-    name = "hf"
-
-    @staticmethod
-    def check(model_cfg):
-        """None if the model can be loaded here (nothing is loaded), else why not."""
-        from kvflow.models.loading import check_available
-
-        if getattr(model_cfg, "engine", None):
-            return ("engine", f"backend 'hf' takes no engine settings (got {', '.join(model_cfg.engine)}); "
-                              "they are SGLang's server arguments, for `backend: sglang`")
-        return check_available(model_cfg)
-
-    @staticmethod
-    def load(model_cfg):
-        """The engine of the model; model entries that load the very same weights (see
-        `load_model`) share one engine, so their proposers decode in one forward."""
-        from kvflow.backends.hf.decode import HFEngine
-        from kvflow.models.loading import load_model
-
-        model, tokenizer = load_model(model_cfg)
-        engine = getattr(model, "_kvflow_engine", None)
-        if engine is None or engine.tokenizer is not tokenizer:
-            engine = HFEngine(HFRunner(model, tokenizer))
-            model._kvflow_engine = engine
-        engine.reset()
-        return engine
