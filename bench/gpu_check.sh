@@ -6,6 +6,11 @@
 # transformers but no package index); needs pydantic, pyyaml and pluggy importable.
 # Budget: about 8 minutes (model build ~1 min, three runs of growing size).
 #   bash bench/gpu_check.sh            # writes $OUT/gpu_check.json (or ./gpu_check.json)
+#   bash bench/gpu_check.sh sglang     # only the SGLang part (below), about 7 minutes
+# SGLang part (issue 16; runs only where SGLang 0.5.23 is importable, which the lent machine's
+# image was not): a random-weight Qwen2.5-Math-7B-shaped checkpoint on disk, evicted (R-KV,
+# B=64 + 128) vs full-KV decoding on SGLang at equal batch (N = 8) and growing output lengths:
+# tokens/s and KV slots held (bench/sglang_evicted.py) -> $OUT/gpu_sglang_evicted.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src:$PWD/plugins${PYTHONPATH:+:$PYTHONPATH}"
@@ -19,6 +24,15 @@ print("torch", torch.__version__, "cuda", torch.cuda.is_available(), "transforme
 if missing or not torch.cuda.is_available():
     sys.exit(f"gpu_check: missing {missing} or no CUDA")
 PY
+sglang_part() {
+  ${PYTHON:-python3} -c "import sglang" 2>/dev/null || { echo "gpu_check: no SGLang here; SGLang part skipped" >&2; return 0; }
+  dir="${TMPDIR:-/tmp}/kvflow-random-qwen2.5-math-7b"
+  ${PYTHON:-python3} bench/scheduler_throughput.py --save-model "$dir" --shape 7b || return 1
+  timeout 420 ${PYTHON:-python3} bench/sglang_evicted.py --engines sglang --device cuda --model "$dir" \
+    --dtype bfloat16 --n 8 --lengths 512,1024,2048 --evictor rkv --budget 64 --buffer 128 \
+    --out "${OUT:-.}/gpu_sglang_evicted.json"
+}
+if [ "${1:-}" = "sglang" ]; then sglang_part; exit $?; fi
 : > "$out"
 for spec in "--problems 8 --n 8 --steps 2" "--problems 32 --n 8 --steps 3" "--problems 64 --n 8 --steps 3"; do
   echo "== $spec" >&2

@@ -54,7 +54,19 @@ def main():
     ap.add_argument("--steps", type=int, default=4, help="committed steps per problem")
     ap.add_argument("--step-tokens", type=int, default=64, help="max_step_tokens")
     ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument("--shape", default="7b", choices=sorted(SHAPES), help="with --save-model")
+    ap.add_argument("--save-model", metavar="DIR", help="only write a random-weight checkpoint of --shape "
+                    "(with kvflow's tiny tokenizer and its vocabulary) to DIR, for engines that load from disk")
     args = ap.parse_args()
+    if args.save_model:
+        from kvflow.testing import tiny_tokenizer
+
+        tok = tiny_tokenizer()
+        m = model(args.shape, args.layers, len(tok), getattr(torch, args.dtype), args.device)
+        m.save_pretrained(args.save_model)
+        tok.save_pretrained(args.save_model)
+        print(args.save_model)
+        return
 
     from kvflow.backends.hf.decode import HFEngine
     from kvflow.backends.hf.engine import HFRunner

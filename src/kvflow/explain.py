@@ -288,8 +288,16 @@ def explain_lines(loaded: "LoadedPipeline", registry: Optional["Registry"] = Non
         if settings.get(ident):
             out.append("    engine settings: " + ", ".join(f"{k}={v}" for k, v in settings[ident].items()))
         if backend == "sglang":
-            out.append("    SGLang in a worker process; full context, prefix kept in its radix cache; "
-                       "kvflow's defaults where no GPU: " + ", ".join(f"{k}={v}" for k, v in _sglang_cpu_defaults().items()))
+            evicted = [n for n in names if pipe.proposers[n].evictor.kind != "none"]
+            full = [n for n in names if n not in evicted]
+            kinds = []
+            if evicted:
+                kinds.append(", ".join(f"{n} evicted ({pipe.proposers[n].evictor.kind}, per layer and KV head by "
+                                       "kvflow's SGLang plugin)" for n in evicted))
+            if full or ident == scorer_engine:
+                kinds.append((", ".join(full) + " " if full else "") + "full context, prefix kept in its radix cache")
+            out.append("    SGLang in a worker process; " + "; ".join(kinds) + "; kvflow's defaults where no GPU: "
+                       + ", ".join(f"{k}={v}" for k, v in _sglang_cpu_defaults().items()))
 
     out.append("")
     out.append("KV memory per sequence (estimate; K and V of every layer, at the model's dtype):")

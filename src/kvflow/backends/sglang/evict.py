@@ -96,6 +96,7 @@ class Runtime:
         self.live: dict[str, Live] = {}
         self._evictors: dict[str, Any] = {}
         self.peak_slots = 0  # most slots one evicted request held (reported in stats)
+        self.retractions = 0  # evicted requests SGLang retracted (pool full)
         self.compactions = 0  # compactions of running rows (a saved copy compacted at the end: not counted)
         # kvflow's rows of the forward being run (set by ForwardBatch.init_new; the attention
         # layers see a copy of that ForwardBatch, and overlap scheduling is off: one at a time)
@@ -300,6 +301,12 @@ class Runtime:
     def released(self, req, tree_cache) -> None:
         """Before SGLang frees an evicted request's row: keep its state if asked to."""
         live = self.live.pop(req.rid, None)
+        if live is not None and not req.finished():
+            # retracted under memory pressure: SGLang re-prefills it later from its input and
+            # output ids; `begin` then starts it again from its step's snapshot and ingests the
+            # tokens made so far in one extend (valid, but not compacted at hf's points)
+            self.retractions += 1
+            return
         if live is None or not live.save_as or _aborted(req) or not req.kv.holds_kv:
             return
         n = live.resident + live.pending  # its last forward's results are being processed
@@ -384,10 +391,13 @@ def _internal_state(result, controller, *args, **kwargs):
     result.internal_state["kvflow"] = {
         "kv_slots_total": int(scheduler.max_total_num_tokens),
         "kv_slots_free": int(allocator.available_size()),
+        # prefixes the radix tree keeps for reuse but no running request holds (freed on demand)
+        "kv_slots_evictable": int(scheduler.tree_cache.evictable_size()),
         "evicted_requests": len(RUNTIME.live),
         "evicted_request_slots": {rid: live.resident for rid, live in RUNTIME.live.items()},
         "peak_request_slots": RUNTIME.peak_slots,
         "compactions": RUNTIME.compactions,
+        "retractions": RUNTIME.retractions,
         "snapshots": len(RUNTIME.snapshots),
         "snapshot_tokens": sum(s.length for s in RUNTIME.snapshots.values()),
     }

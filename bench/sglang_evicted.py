@@ -1,0 +1,148 @@
+"""Evicted vs full-context decoding on SGLang and on `hf`, at growing output lengths, one run
+(docs/benchmarks.md, "Evicted proposers on SGLang").
+
+    /path/to/venv/bin/python bench/sglang_evicted.py [--model catalog:qwen2.5-coder-0.5b-instruct]
+        [--dtype bfloat16] [--n 4] [--lengths 128,256,512,768] [--evictor rkv] [--budget 64 --buffer 64]
+        [--engines sglang,hf] [--out docs/results/bench/sglang_evicted.json]
+
+One GSM8K prompt, one proposal of `n` greedy candidates that never meet a delimiter, decoded
+to the longest length through kvflow's engine protocol (what a proposer does), once per
+(engine, evictor or full context). At each checkpoint length: wall time since the proposal
+was submitted (tokens/s = n x length / time, cumulative; and over the last stretch), and the
+KV memory held: SGLang's pool slots in use (read from the scheduler, `server_state()`), the
+`hf` cache's resident tokens. Prints and writes one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="catalog:qwen2.5-coder-0.5b-instruct")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--n", type=int, default=4)
+    ap.add_argument("--lengths", default="128,256,512,768")
+    ap.add_argument("--evictor", default="rkv")
+    ap.add_argument("--budget", type=int, default=64)
+    ap.add_argument("--buffer", type=int, default=64)
+    ap.add_argument("--engines", default="sglang,hf")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--out", default="docs/results/bench/sglang_evicted.json")
+    args = ap.parse_args()
+
+    import torch
+
+    from kvflow.config.schema import ModelConfig
+    from kvflow.registry import get_registry
+
+    threads = int(os.environ.get("OMP_NUM_THREADS", "2"))
+    torch.set_num_threads(threads)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    reg = get_registry()
+    cls = reg.get("evictors", args.evictor)
+    evictor = cls(cls.Params(budget=args.budget, buffer=args.buffer))
+    full = reg.get("evictors", "none")(reg.get("evictors", "none").Params())
+    out: dict = {"model": args.model, "dtype": args.dtype, "n": args.n, "evictor": args.evictor,
+                 "budget": args.budget, "buffer": args.buffer, "cpu": _cpu(), "machine": platform.machine(),
+                 "threads": threads, "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "runs": {}}
+    for backend in args.engines.split(","):
+        engine = reg.get("backends", backend).load(ModelConfig(backend=backend, id=args.model, dtype=args.dtype,
+                                                               device=args.device))
+        prompt = _prompt(engine)
+        _warm(engine, prompt, full)
+        for label, ev in ((args.evictor, evictor), ("full", full)):
+            out["runs"][f"{backend}/{label}"] = run(engine, prompt, ev, args.n, lengths)
+            print(json.dumps({f"{backend}/{label}": out["runs"][f"{backend}/{label}"]}), flush=True)
+    for length in lengths:
+        for backend in args.engines.split(","):
+            ev, fu = out["runs"].get(f"{backend}/{args.evictor}"), out["runs"].get(f"{backend}/full")
+            if ev and fu:
+                a = next(c for c in ev["checkpoints"] if c["tokens"] == length)
+                b = next(c for c in fu["checkpoints"] if c["tokens"] == length)
+                out.setdefault("evicted_over_full", {}).setdefault(backend, {})[length] = round(
+                    a["tok_per_s"] / b["tok_per_s"], 3)
+    print(json.dumps(out, indent=1))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+
+
+def run(engine, prompt: str, evictor, n: int, lengths: list[int]) -> dict:
+    from kvflow.components.engine import ProposeRequest, SamplingSpec, StartRequest
+
+    spec = SamplingSpec(n, 0.0, 1.0, max(lengths) + 1, "\x00\x01")  # +1: the last checkpoint is read while decoding
+    (state,) = engine.start([StartRequest(prompt, evictor, 1)])
+    engine.submit([ProposeRequest(state, "base", spec, 0, 10**6)])
+    t0 = time.perf_counter()
+    todo, points, done, last = list(lengths), [], [], (0, t0)
+    while not done:
+        done = engine.step()
+        made = _tokens_so_far(engine, done)
+        while todo and made >= todo[0]:
+            now = time.perf_counter()
+            length = todo.pop(0)
+            point = {"tokens": length, "s": round(now - t0, 2), "tok_per_s": round(n * length / (now - t0), 2),
+                     "stretch_tok_per_s": round(n * (length - last[0]) / max(1e-9, now - last[1]), 2)}
+            point.update(_kv_held(engine, done))
+            points.append(point)
+            last = (length, time.perf_counter())
+    engine.release([state], done)
+    return {"checkpoints": points, "finish": sorted({c.finish for c in done[0].candidates})}
+
+
+def _tokens_so_far(engine, done) -> int:
+    """Tokens every candidate has made so far (the slowest row), read from the engine's tables."""
+    if done:
+        return min(c.n_tokens for c in done[0].candidates)
+    if engine.backend == "hf":
+        r = engine.running[0]
+        return int(engine.table.count[r.rows].min())
+    return min(len(row.tokens) for row in engine.running[0].rows)
+
+
+def _kv_held(engine, done) -> dict:
+    if engine.backend == "sglang":
+        info = engine.server_state()
+        return {"kv_slots_used": info["kv_slots_total"] - info["kv_slots_free"] - info["kv_slots_evictable"]}
+    caches = [r.cache for r in engine.running] + [p.handle for p in done]
+    return {"kv_tokens_per_row": int(max(c.rows.lengths.max() for c in caches)) if caches else None,
+            "kv_bytes": sum(c.resident_bytes() for c in caches)}
+
+
+def _warm(engine, prompt: str, full) -> None:
+    from kvflow.components.engine import ProposeRequest, SamplingSpec, StartRequest
+    from kvflow.testing.engine_contract import run_to_end
+
+    (state,) = engine.start([StartRequest(prompt, full, 0)])
+    props = run_to_end(engine, [ProposeRequest(state, "base", SamplingSpec(2, 0.0, 1.0, 8, "\x00\x01"), 0, 100)])
+    engine.release([state], props)
+
+
+def _prompt(engine) -> str:
+    from kvflow.eval.datasets import load_problems
+
+    (p,) = load_problems("gsm8k", limit=1)
+    return engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": p.question + "\nPlease reason step by step, and put your final answer within \\boxed{}."}],
+        tokenize=False, add_generation_prompt=True)
+
+
+def _cpu() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "?"
+
+
+if __name__ == "__main__":
+    main()
