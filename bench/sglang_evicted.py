@@ -5,8 +5,8 @@
         [--dtype bfloat16] [--n 4] [--lengths 128,256,512,768] [--evictor rkv] [--budget 64 --buffer 64]
         [--engines sglang,hf] [--out docs/results/bench/sglang_evicted.json]
 
-One GSM8K prompt, one proposal of `n` greedy candidates that never meet a delimiter, decoded
-to the longest length through kvflow's engine protocol (what a proposer does), once per
+One GSM8K prompt, one proposal of `n` greedy candidates that never meet a delimiter (nor EOS:
+switched off for the benchmark), decoded to the longest length through kvflow's engine protocol (what a proposer does), once per
 (engine, evictor or full context). At each checkpoint length: wall time since the proposal
 was submitted (tokens/s = n x length / time, cumulative; and over the last stretch), and the
 KV memory held: SGLang's pool slots in use (read from the scheduler, `server_state()`), the
@@ -57,6 +57,7 @@ def main() -> None:
         engine = reg.get("backends", backend).load(ModelConfig(backend=backend, id=args.model, dtype=args.dtype,
                                                                device=args.device))
         prompt = _prompt(engine)
+        _never_stop_at_eos(engine)
         _warm(engine, prompt, full)
         for label, ev in ((args.evictor, evictor), ("full", full)):
             out["runs"][f"{backend}/{label}"] = run(engine, prompt, ev, args.n, lengths)
@@ -77,7 +78,7 @@ def main() -> None:
 def run(engine, prompt: str, evictor, n: int, lengths: list[int]) -> dict:
     from kvflow.components.engine import ProposeRequest, SamplingSpec, StartRequest
 
-    spec = SamplingSpec(n, 0.0, 1.0, max(lengths) + 1, "\x00\x01")  # +1: the last checkpoint is read while decoding
+    spec = SamplingSpec(n, 0.0, 1.0, max(lengths) + 32, "\x00\x01")  # +32: the last checkpoint is read while decoding
     (state,) = engine.start([StartRequest(prompt, evictor, 1)])
     engine.submit([ProposeRequest(state, "base", spec, 0, 10**6)])
     t0 = time.perf_counter()
@@ -95,6 +96,27 @@ def run(engine, prompt: str, evictor, n: int, lengths: list[int]) -> dict:
             last = (length, time.perf_counter())
     engine.release([state], done)
     return {"checkpoints": points, "finish": sorted({c.finish for c in done[0].candidates})}
+
+
+def _never_stop_at_eos(engine) -> None:
+    """Every run decodes to the same length: a greedy full-context candidate would end its
+    answer with EOS long before an evicted one (which degenerates). Benchmark-only: the
+    engines' EOS rule is switched off here (hf: its EOS table; SGLang: `ignore_eos` on every
+    request this engine sends)."""
+    import torch
+
+    if engine.backend == "hf":
+        engine._eos = torch.tensor([-1], dtype=torch.long)
+        return
+    engine.eos_ids = set()
+    send = engine.worker.send
+
+    def send_ignoring_eos(*msg):
+        if msg[0] == "generate":
+            msg = msg[:3] + ({**msg[3], "ignore_eos": True},) + msg[4:]
+        return send(*msg)
+
+    engine.worker.send = send_ignoring_eos
 
 
 def _tokens_so_far(engine, done) -> int:

@@ -201,17 +201,19 @@ def test_prm_on_sglang_is_refused_naming_the_field(tmp_path, cli):
 
 def test_a_crashed_worker_stops_the_run_clearly_and_the_rerun_resumes(tmp_path, cli, shared_tiny_qwen):
     require_sglang()
-    # sampled (seeded) candidates; in-process runs use the session's running engine, the run
-    # that is killed starts its own
+    # sampled (seeded) candidates; the evicted base and the helper on one SGLang engine (their
+    # states, snapshots in the scheduler included, die with it); in-process runs use the
+    # session's running engine, the run that is killed starts its own
     helper = {"backend": "sglang", "id": str(shared_tiny_qwen)}
+    models = {"base": helper, "helper": helper}
     reference = tiny_pipeline(tmp_path / "reference", name="crash", problems=3, n=2, max_tokens=32,
-                              extra={"models": {"helper": helper}, "run": {"batch_problems": 1}})
+                              extra={"models": models, "run": {"batch_problems": 1}})
     assert cli("run", reference).exit_code == 0
     (ref_dir,) = (tmp_path / "reference" / "results").iterdir()
     expected = _steps(ref_dir)
 
     path = tiny_pipeline(tmp_path / "crashed", name="crash", problems=3, n=2, max_tokens=32,
-                         extra={"models": {"helper": helper}, "run": {"batch_problems": 1}})
+                         extra={"models": models, "run": {"batch_problems": 1}})
     proc = subprocess.Popen([sys.executable, "-m", "kvflow.cli", "run", str(path)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
                             start_new_session=True)
