@@ -132,8 +132,10 @@ def test_the_prefix_is_served_from_the_radix_cache(sglang_engine):
     (state,) = sglang_engine.start([StartRequest(_prompt(sglang_engine), _full(), 1)])
     (p,) = run_to_end(sglang_engine, [ProposeRequest(state, "base", spec, 0, 100)])
     (state,) = sglang_engine.sync([SyncRequest(state, p, 0, p.candidates[0].text)])
+    sglang_engine.drain()  # ends of earlier tests' stopped candidates must not count here
     before = dict(sglang_engine.counters)
     (q,) = run_to_end(sglang_engine, [ProposeRequest(state, "base", spec, 0, 100)])
+    sglang_engine.drain()
     prompt = sglang_engine.counters["prompt_tokens"] - before["prompt_tokens"]
     cached = sglang_engine.counters["cached_tokens"] - before["cached_tokens"]
     assert prompt == 2 * len(state.ids)

@@ -1,6 +1,7 @@
-"""`SGLangEngine`: kvflow's engine protocol over SGLang's offline engine (full-context proposers).
+"""`SGLangEngine`: kvflow's engine protocol over SGLang's offline engine.
 
-A problem's state is its token ids (prompt + committed steps); each proposal sends one
+A full-context problem state is its token ids (prompt + committed steps); an evicted one is a
+snapshot in SGLang's scheduler (`evicted.py` here, `evict.py` there). Each proposal sends one
 SGLang request per candidate with the whole sequence as input, and SGLang's radix cache
 keeps the shared prefix, so a step costs only its new tokens (`stats()` counts the cached
 prompt tokens). Candidates stream back token by token; kvflow applies its own stop rules
@@ -24,11 +25,13 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from kvflow.backends.sglang.client import EngineError, Worker
+from kvflow.backends.sglang.evicted import EvictedState, EvictedStates
 from kvflow.components.base import Candidate, StepTrace
 from kvflow.components.engine import Proposal, ProposeRequest, StartRequest, SyncRequest, delimiter_scan, row_seed
 from kvflow.timing import NULL_CLOCK
@@ -40,21 +43,6 @@ _POLL_S = 0.02  # longest wait for the engine per step() when rows are decoding
 @dataclass
 class SGLangState:
     ids: list[int]  # prompt + committed tokens
-
-
-@dataclass
-class EvictedState:
-    """An evicted problem state: a snapshot in the SGLang scheduler (`evict.py`) holding the
-    first `cached` tokens of `ids` evicted down to `resident` per (layer, KV head); the rest
-    of `ids` (at least the pending token) is not cached yet."""
-
-    ids: list[int]  # the logical sequence: prompt + committed tokens, the pending token last
-    snap: Optional[str]  # snapshot id (None: nothing cached yet)
-    cached: int  # leading tokens of `ids` the snapshot has seen
-    resident: int  # tokens it holds per (layer, KV head)
-    evictor: Any
-    rng_key: int
-    n_protected: int
 
 
 @dataclass
@@ -98,7 +86,7 @@ def entropy_estimate(top: Sequence[tuple[float, int]], temperature: float, vocab
     return h
 
 
-class SGLangEngine:
+class SGLangEngine(EvictedStates):
     """One model served by an SGLang worker process (see the module docstring)."""
 
     backend = "sglang"
@@ -127,7 +115,7 @@ class SGLangEngine:
         self._drops: list[str] = []  # snapshots to drop with the next request
         self._owned: set[str] = set()  # snapshots that exist or will
         self._ingests: dict[str, Any] = {}  # ingest request rid -> its end message (None: waiting)
-        self._specs: dict[int, dict] = {}
+        self._specs: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # evictor -> its part of a spec
         self._evicted_rids: set[str] = set()  # evicted candidates whose end has not arrived
         self.dump_dir: Optional[str] = None  # set: the scheduler saves every snapshot there (`<snap>.pt`)
 
@@ -157,6 +145,14 @@ class SGLangEngine:
         if p is None:
             p = self._pieces[token] = self.tokenizer.decode([token])
         return p
+
+    def drain(self, timeout: float = 30.0) -> None:
+        """Wait until every request sent so far has ended in the engine (candidates kvflow
+        stopped report how far they got a little later), so that `stats()` and `counters`
+        count them; proposals still running keep streaming meanwhile."""
+        deadline = time.monotonic() + timeout
+        while (self._used or self._evicted_rids or self._ingests) and time.monotonic() < deadline:
+            self._take(self.worker.poll(_POLL_S))
 
     def stats(self) -> dict:
         """Prefix-cache hits and early-exit savings so far (for the run summary and benchmarks)."""
@@ -202,119 +198,12 @@ class SGLangEngine:
             for row in p.handle or ():
                 self._discard(row)
 
-    # ------------------------------------------------------------------ evicted states
-
-    def _sync_evicted(self, r: SyncRequest) -> EvictedState:
-        """Adopt a candidate's snapshot where it holds exactly the candidate's tokens (the
-        engine ended it where kvflow did); otherwise, and for another proposer's text,
-        ingest the tokens into the state's snapshot (`_catch_up`)."""
-        state, rows = r.state, (r.proposal.handle if r.proposal else None) or []
-        if r.own_index is None:
-            for row in rows:
-                self._discard(row)
-            return EvictedState(state.ids + self.encode(r.text), state.snap, state.cached, state.resident,
-                                state.evictor, state.rng_key, state.n_protected)
-        cand, own = r.proposal.candidates[r.own_index], rows[r.own_index]
-        for row in rows:
-            if row is not own:
-                self._discard(row)
-        ids = state.ids + list(cand.token_ids)
-        rng_key = row_seed(state.rng_key, r.own_index)  # the candidate's, as on hf
-        finish, made = self._wait_end(own.rid)
-        if finish.get("type") != "abort" and made == len(cand.token_ids):
-            self.counters["adopted"] += 1
-            if state.snap:
-                self._drop(state.snap)
-            return EvictedState(ids, own.snap, len(ids) - 1, _resident_after(state.resident, len(cand.token_ids),
-                                                                              state.evictor),
-                                state.evictor, rng_key, state.n_protected)
-        self.counters["adopted_by_ingest"] += 1  # stopped by kvflow (a pruner): its snapshot has more
-        return EvictedState(ids, state.snap, state.cached, state.resident, state.evictor, rng_key, state.n_protected)
-
-    def _catch_up(self, states: Sequence[EvictedState]) -> None:
-        """Cache every state's tokens but the pending one, in requests from each state's
-        snapshot that never take a row past `budget + buffer` (a compaction in between, as on
-        `hf`); each state's requests run one after another, states side by side."""
-        while True:
-            todo = [s for s in states if s.cached < len(s.ids) - 1]
-            if not todo:
-                return
-            sent = {}
-            for s in todo:
-                room = s.evictor.trigger - s.resident
-                chunk = s.ids[s.cached : min(len(s.ids) - 1, s.cached + room)]
-                rid = self.worker.new_rid("i")
-                spec = self._spec(s, rng_key=s.rng_key, save_as="s-" + rid)
-                params = {"max_new_tokens": 0, "custom_params": {"kvflow_evict": spec}}
-                self._ingests[rid] = None
-                self.worker.send("generate", rid, s.ids[s.cached - s.resident : s.cached] + chunk, params, 0)
-                self.counters["ingest_requests"] += 1
-                sent[rid] = (s, len(chunk))
-            self._wait(lambda: all(self._ingests[rid] is not None for rid in sent), "ingesting a step")
-            for rid, (s, n) in sent.items():
-                msg = self._ingests.pop(rid)
-                if msg[0] == "error":
-                    raise EngineError(f"{self.worker.where}: SGLang request failed: {msg[2]}")
-                self._count_prefix(msg[3])
-                if s.snap:
-                    self._drop(s.snap)
-                s.snap = "s-" + rid
-                self._owned.add(s.snap)
-                s.resident = _resident_after(s.resident, n, s.evictor)
-                s.cached += n
-
-    def _spec(self, s: EvictedState, *, rng_key: int, save_as: str) -> dict:
-        """What a request tells kvflow's SGLang plugin (`evict.py`) about its evicted state."""
-        ev = self._specs.get(id(s.evictor))
-        if ev is None:
-            cls = type(s.evictor)
-            ev = self._specs[id(s.evictor)] = {"evictor": f"{cls.__module__}:{cls.__qualname__}",
-                                               "params": s.evictor.params.model_dump(mode="json")}
-        spec = dict(ev, rng_key=rng_key, n_protected=s.n_protected, logical=s.cached, save_as=save_as)
-        spec["from"] = s.snap
-        if self.dump_dir:
-            spec["dump"] = str(self.dump_dir)
-        spec["drop"], self._drops = self._drops, []
-        return spec
-
-    def _drop(self, snap: str) -> None:
-        self._owned.discard(snap)
-        self._drops.append(snap)
-
-    def _discard(self, row: _Row) -> None:
-        """A candidate's snapshot is not needed: drop it once the engine has ended the
-        candidate (a drop that arrived first would leave the snapshot behind)."""
-        if row.snap is None:
-            return
-        if row.rid in self._ended:
-            del self._ended[row.rid]
-            self._drop(row.snap)
-        else:
-            self._drop_on_end[row.rid] = row.snap
-
-    def _wait_end(self, rid: str) -> tuple[dict, int]:
-        self._wait(lambda: rid in self._ended, "a candidate's end")
-        return self._ended.pop(rid)
-
     def _wait(self, done, what: str) -> None:
         deadline = time.monotonic() + 3600
         while not done():
             if time.monotonic() > deadline:
                 raise EngineError(f"{self.worker.where}: SGLang timed out waiting for {what}")
             self._take(self.worker.poll(_POLL_S))  # proposals keep streaming meanwhile
-
-    def kept_kv(self, state: EvictedState):
-        """What an evicted state keeps: (keys, values [layers, kv_heads, resident, D],
-        compactions), from the snapshot the scheduler saved under `dump_dir` (set it before
-        the state is made; inspection and the engine parity tests)."""
-        import os
-
-        import torch
-
-        if not self.dump_dir or not state.snap:
-            raise EngineError("kept_kv needs `dump_dir` set before the state was made")
-        snap = torch.load(os.path.join(self.dump_dir, f"{state.snap}.pt"))
-        return snap["keys"], snap["values"], snap["compactions"]
 
     def server_state(self) -> dict:
         """The scheduler's KV slots in use and kvflow's snapshots (`evict.py`)."""
@@ -528,16 +417,6 @@ class SGLangEngine:
             self._count_prefix(msg[3])
             out.append([float(x) for x in msg[2]])
         return out
-
-
-def _resident_after(resident: int, n: int, evictor) -> int:
-    """Tokens per (layer, head) after appending n to `resident`, compacting to `budget`
-    whenever `budget + buffer` is reached (what the scheduler-side cache does)."""
-    for _ in range(n):
-        resident += 1
-        if resident >= evictor.trigger:
-            resident = evictor.params.budget
-    return resident
 
 
 def _ends_delimiter(row: _Row, piece: str, delimiter: str) -> bool:
