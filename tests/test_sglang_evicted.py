@@ -198,3 +198,32 @@ def test_tensor_parallel_ranks_keep_the_budgets_of_their_own_heads(shared_tiny_q
         assert info["compactions"] > 0 and info["peak_request_slots"] <= 16 + 8
     finally:
         engine.worker.close()
+
+
+def test_a_full_pool_admits_more_evicted_candidates_than_full_context_ones(shared_tiny_qwen):
+    """SGLang's admission control reserves each request's remaining `max_new_tokens`; kvflow's
+    plugin makes it reserve an evicted request's room to its next compaction, so in a small
+    pool every evicted candidate decodes at once while full-context ones queue."""
+    require_sglang()
+    from kvflow.backends.sglang import SGLangBackend
+
+    engine = SGLangBackend.load(ModelConfig(backend="sglang", id=str(shared_tiny_qwen), dtype="float32",
+                                            device="cpu", engine={"max_total_tokens": 1024}))
+    try:
+        prompt = _prompt(engine)
+        peaks = {}
+        for label, ev in (("rkv", _evictor("rkv")), ("full", get_registry().get("evictors", "none")(
+                get_registry().get("evictors", "none").Params()))):
+            (state,) = engine.start([StartRequest(prompt, ev, 1)])
+            engine.submit([ProposeRequest(state, "base", SamplingSpec(12, 0.0, 1.0, 120, NEVER), 0, 1000)])
+            done, peak = [], 0
+            while not done:
+                done = engine.step()
+                peak = max(peak, engine.server_state()["running_requests"])
+            assert [c.n_tokens for c in done[0].candidates] == [120] * 12 or label == "full"
+            engine.release([state], done)
+            peaks[label] = peak
+        assert peaks["rkv"] == 12, peaks
+        assert peaks["full"] < 12, peaks  # the same pool holds fewer growing requests
+    finally:
+        engine.worker.close()

@@ -50,6 +50,7 @@ _FORWARD_BATCH = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init
 _ATTENTION = "sglang.srt.layers.attention.base_attn_backend.AttentionBackend.forward"
 _PROCESSOR = "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor"
 _RELEASE = "sglang.srt.mem_cache.common.release_kv_cache"
+_ADDER = "sglang.srt.managers.schedule_policy.PrefillAdder"
 _STATE = "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state"
 
 
@@ -384,6 +385,32 @@ def _release(req, tree_cache, *args, **kwargs):
     return None
 
 
+def _room(req, admitting: bool) -> Optional[int]:
+    """Tokens an evicted request may still add before its next compaction frees the rest: all
+    SGLang's admission control needs to reserve for it (its row never exceeds `budget +
+    buffer`), where it would reserve the step cap. None for other requests."""
+    live = RUNTIME.live.get(req.rid)
+    if live is None:
+        return None
+    size = live.resident + (len(req.full_untruncated_fill_ids) - req.prefix_len if admitting else 0)
+    return max(1, live.evictor.trigger - size)
+
+
+def _reserving_room(admitting: bool):
+    def hook(original, adder, req, *args, **kwargs):
+        """For the length of the call, an evicted request's `max_new_tokens` is what fits
+        before its next compaction (its own stop rule keeps the real one)."""
+        room, params = _room(req, admitting), req.sampling_params
+        if room is None or len(req.output_ids) + room >= params.max_new_tokens:
+            return original(adder, req, *args, **kwargs)
+        real, params.max_new_tokens = params.max_new_tokens, len(req.output_ids) + room
+        try:
+            return original(adder, req, *args, **kwargs)
+        finally:
+            params.max_new_tokens = real
+    return hook
+
+
 def _internal_state(result, controller, *args, **kwargs):
     """`Engine.get_server_info()` gains a `kvflow` entry: KV slots in use, snapshots held."""
     scheduler = controller.scheduler
@@ -394,6 +421,7 @@ def _internal_state(result, controller, *args, **kwargs):
         # prefixes the radix tree keeps for reuse but no running request holds (freed on demand)
         "kv_slots_evictable": int(scheduler.tree_cache.evictable_size()),
         "evicted_requests": len(RUNTIME.live),
+        "running_requests": len(getattr(scheduler.running_batch, "reqs", None) or ()),
         "evicted_request_slots": {rid: live.resident for rid, live in RUNTIME.live.items()},
         "peak_request_slots": RUNTIME.peak_slots,
         "compactions": RUNTIME.compactions,
@@ -414,3 +442,7 @@ def register() -> None:
     HookRegistry.register(_PROCESSOR + ".process_batch_result_decode", _after_result, HookType.AFTER)
     HookRegistry.register(_RELEASE, _release, HookType.BEFORE)
     HookRegistry.register(_STATE, _internal_state, HookType.AFTER)
+    # admission: reserve an evicted request's room to its next compaction, not its step cap
+    HookRegistry.register(_ADDER + ".add_one_req", _reserving_room(admitting=True), HookType.AROUND)
+    HookRegistry.register(_ADDER + "._get_running_request_total_token_offset", _reserving_room(admitting=False),
+                          HookType.AROUND)
