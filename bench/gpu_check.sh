@@ -10,7 +10,8 @@
 # SGLang part (issue 16; runs only where SGLang 0.5.23 is importable, which the lent machine's
 # image was not): a random-weight Qwen2.5-Math-7B-shaped checkpoint on disk, evicted (R-KV,
 # B=64 + 128) vs full-KV decoding on SGLang at equal batch (N = 8) and growing output lengths:
-# tokens/s and KV slots held (bench/sglang_evicted.py) -> $OUT/gpu_sglang_evicted.json.
+# tokens/s and KV slots held (bench/sglang_evicted.py) -> $OUT/gpu_sglang_evicted.json; and the
+# largest batch one 32k-token pool runs, evicted vs full (bench/sglang_admission.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src:$PWD/plugins${PYTHONPATH:+:$PYTHONPATH}"
@@ -31,6 +32,8 @@ sglang_part() {
   timeout 420 ${PYTHON:-python3} bench/sglang_evicted.py --engines sglang --device cuda --model "$dir" \
     --dtype bfloat16 --n 8 --lengths 512,1024,2048 --evictor rkv --budget 64 --buffer 128 \
     --out "${OUT:-.}/gpu_sglang_evicted.json"
+  timeout 240 ${PYTHON:-python3} bench/sglang_admission.py --device cuda --model "$dir" --dtype bfloat16 \
+    --pool 32768 --n 128 --tokens 1024 --budget 64 --buffer 128 --out "${OUT:-.}/gpu_sglang_admission.json"
 }
 if [ "${1:-}" = "sglang" ]; then sglang_part; exit $?; fi
 : > "$out"

@@ -30,6 +30,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=300)
     ap.add_argument("--budget", type=int, default=16)
     ap.add_argument("--buffer", type=int, default=8)
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default="docs/results/bench/sglang_admission.json")
     args = ap.parse_args()
 
@@ -43,7 +44,7 @@ def main() -> None:
     from sglang_evicted import _never_stop_at_eos, _prompt  # noqa: E402 - the same prompt and EOS rule
 
     model = args.model or str(shared_model_dir())
-    engine = SGLangBackend.load(ModelConfig(backend="sglang", id=model, dtype=args.dtype, device="cpu",
+    engine = SGLangBackend.load(ModelConfig(backend="sglang", id=model, dtype=args.dtype, device=args.device,
                                             engine={"max_total_tokens": args.pool}))
     _never_stop_at_eos(engine)
     reg = get_registry()

@@ -87,6 +87,7 @@ class Live:
     stats: Optional[list] = None  # per layer [kv_heads, trigger + 1] float32
     pending: int = 0  # tokens the current forward appends (set in init_new)
     dump: Optional[str] = None  # a directory to save the snapshot in (torch.save), if asked
+    source: Optional[Snapshot] = None  # the snapshot still to be put into the request's slots
 
 
 class Runtime:
@@ -134,23 +135,32 @@ class Runtime:
             live = Live(ev, int(spec["rng_key"]), int(snap.n_protected if snap else spec["n_protected"]),
                         snap.compactions if snap else 0, n, logical - n, spec.get("save_as"))
             live.dump = spec.get("dump")
+            live.source = snap
             self.live[req.rid] = live
             req.skip_radix_cache_insert = True  # the row's slots do not hold the tokens the tree would key
-            if snap is not None:
-                self._restore(req, tree_cache, snap, live)
+        self.restore(req, tree_cache, live)
+
+    def restore(self, req, tree_cache, live: Live) -> bool:
+        """Put the request's snapshot into fresh slots (once). False while the pool has no room:
+        the request then waits (`_reserving_room` refuses its admission) and is retried."""
+        if live.source is not None and not req.kv.holds_kv:
+            if not self._restore(req, tree_cache, live.source, live):
+                return False
+            live.source = None
         if live.resident:
             req.prefix_len = live.resident
+        return True
 
     def _restore(self, req, tree_cache, snap: Snapshot, live: Live) -> None:
         n = snap.length
         pool = tree_cache.req_to_token_pool
         allocator = tree_cache.token_to_kv_pool_allocator
         if pool.alloc([req]) is None:
-            raise RuntimeError("kvflow: no free request row for an evicted request")
+            return False
         slots = allocator.alloc(n)
         if slots is None:
             pool.free(req)
-            raise RuntimeError("kvflow: no free KV slots for an evicted request's state")
+            return False
         kv = allocator.get_kvcache()
         for layer in range(snap.keys.shape[0]):
             kv.k_buffer[layer][slots] = snap.keys[layer].transpose(0, 1).to(kv.k_buffer[layer].dtype)
@@ -163,6 +173,7 @@ class Runtime:
         if snap.stats is not None:
             cap = live.evictor.trigger + 1
             live.stats = [torch.nn.functional.pad(s, (0, cap - n)) for s in snap.stats]
+        return True
 
     # ------------------------------------------------------------------ forwards
 
@@ -399,7 +410,13 @@ def _room(req, admitting: bool) -> Optional[int]:
 def _reserving_room(admitting: bool):
     def hook(original, adder, req, *args, **kwargs):
         """For the length of the call, an evicted request's `max_new_tokens` is what fits
-        before its next compaction (its own stop rule keeps the real one)."""
+        before its next compaction (its own stop rule keeps the real one). A request whose
+        snapshot found no room in the pool yet is not admitted (it waits for the next round)."""
+        live = RUNTIME.live.get(req.rid)
+        if admitting and live is not None and not RUNTIME.restore(req, adder.tree_cache, live):
+            from sglang.srt.managers.schedule_policy import AddReqResult
+
+            return AddReqResult.NO_TOKEN
         room, params = _room(req, admitting), req.sampling_params
         if room is None or len(req.output_ids) + room >= params.max_new_tokens:
             return original(adder, req, *args, **kwargs)
