@@ -31,7 +31,9 @@ Hooks (see `register`): `Req.init_next_round_input` (start from a snapshot, neve
 radix tree), `ForwardBatch.init_new` (positions), `AttentionBackend.forward` (query window,
 H2O statistic: read back from the pool after the backend wrote the new keys, so any attention
 backend with one slot per token works), `process_batch_result_prefill/decode` (compaction),
-`release_kv_cache` (snapshot).
+`release_kv_cache` (snapshot), `PrefillAdder.add_one_req` and its running requests' offset
+(admission reserves an evicted request's room to its next compaction, not its step cap),
+`SchedulerInternalStateController.get_internal_state` (what `server_state()` reads).
 """
 
 from __future__ import annotations
