@@ -43,6 +43,9 @@ def main() -> None:
     from kvflow.config.schema import ModelConfig
     from kvflow.registry import get_registry
 
+    sys.path.insert(0, str(Path(__file__).parent))
+    from sglang_engine import _cpu  # noqa: E402 - the same machine record
+
     threads = int(os.environ.get("OMP_NUM_THREADS", "2"))
     torch.set_num_threads(threads)
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -154,16 +157,6 @@ def _prompt(engine) -> str:
     return engine.tokenizer.apply_chat_template(
         [{"role": "user", "content": p.question + "\nPlease reason step by step, and put your final answer within \\boxed{}."}],
         tokenize=False, add_generation_prompt=True)
-
-
-def _cpu() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "?"
 
 
 if __name__ == "__main__":

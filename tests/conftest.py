@@ -3,6 +3,7 @@ distributions (a dist-info with an entry_points.txt) for subprocess tests."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -77,6 +78,35 @@ def shared_tiny_qwen():
     from kvflow.testing.engine_parity import shared_model_dir
 
     return shared_model_dir("qwen2", seed=3)  # the evictor contract's engine axis uses the same one
+
+
+def committed_steps(run_dir) -> dict:
+    """Per problem of a results directory: its committed steps as (text, source, score to 4
+    places), for comparing two runs' trajectories."""
+    out = {}
+    for r in map(json.loads, (Path(run_dir) / "samples.jsonl").read_text().splitlines()):
+        out[r["id"]] = [(s["text"], s["source"], None if s["score"] is None else round(s["score"], 4))
+                        for s in r["steps"]]
+    return out
+
+
+@pytest.fixture(scope="module")
+def sglang_engine(shared_tiny_qwen):
+    """The SGLang engine on `shared_tiny_qwen` (float32, CPU): one worker for the session."""
+    require_sglang()
+    from kvflow.backends.sglang import SGLangBackend
+    from kvflow.config.schema import ModelConfig
+
+    return SGLangBackend.load(ModelConfig(backend="sglang", id=str(shared_tiny_qwen), dtype="float32", device="cpu"))
+
+
+@pytest.fixture(scope="module")
+def hf_engine(shared_tiny_qwen):
+    """The `hf` engine on `shared_tiny_qwen` (float32, CPU), to compare SGLang with."""
+    from kvflow.backends.hf import HFBackend
+    from kvflow.config.schema import ModelConfig
+
+    return HFBackend.load(ModelConfig(id=str(shared_tiny_qwen), dtype="float32", device="cpu"))
 
 
 @pytest.fixture(autouse=True)

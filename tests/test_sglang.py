@@ -17,40 +17,20 @@ import time
 
 import pytest
 
-from conftest import REPO, require_sglang, wait_for_first_record
+from conftest import REPO, committed_steps, require_sglang, wait_for_first_record
 from kvflow.components.base import Pruner, PrunerParams, Trajectory
 from kvflow.components.engine import ProposeRequest, SamplingSpec, StartRequest, SyncRequest
-from kvflow.config.schema import ModelConfig
 from kvflow.testing import tiny_pipeline
 from kvflow.testing.engine_contract import run_to_end
 
-QUESTION = "Natalia sold 48 clips in April and half as many in May. How many clips did she sell?"
-
-
-@pytest.fixture(scope="module")
-def sglang_engine(shared_tiny_qwen):
-    require_sglang()
-    from kvflow.backends.sglang import SGLangBackend
-
-    return SGLangBackend.load(ModelConfig(backend="sglang", id=str(shared_tiny_qwen), dtype="float32", device="cpu"))
-
-
-@pytest.fixture(scope="module")
-def hf_engine(shared_tiny_qwen):
-    from kvflow.backends.hf import HFBackend
-
-    return HFBackend.load(ModelConfig(id=str(shared_tiny_qwen), dtype="float32", device="cpu"))
+from kvflow.testing.engine_parity import QUESTION
+from kvflow.testing.engine_parity import chat_prompt as _prompt
 
 
 def _full():
     from kvflow_builtin.evictors.none import NoEviction, NoEvictionParams
 
     return NoEviction(NoEvictionParams())
-
-
-def _prompt(engine) -> str:
-    return engine.tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], tokenize=False,
-                                                add_generation_prompt=True)
 
 
 class _StopAt(Pruner):
@@ -155,14 +135,6 @@ def _greedy_rescue(tmp_path, helper_backend: str, helper_dir, **kw):
                          extra=extra, **kw)
 
 
-def _steps(run_dir):
-    out = {}
-    for r in map(json.loads, (run_dir / "samples.jsonl").read_text().splitlines()):
-        out[r["id"]] = [(s["text"], s["source"], None if s["score"] is None else round(s["score"], 4))
-                        for s in r["steps"]]
-    return out
-
-
 def test_kv_rescue_with_the_helper_on_sglang_commits_what_hf_commits(tmp_path, cli, shared_tiny_qwen):
     require_sglang()
     runs = {}
@@ -171,7 +143,7 @@ def test_kv_rescue_with_the_helper_on_sglang_commits_what_hf_commits(tmp_path, c
         result = cli("run", path)
         assert result.exit_code == 0, result.output
         (run_dir,) = [d for d in (tmp_path / "results").iterdir() if d.name.startswith(f"rescue_{backend}")]
-        runs[backend] = _steps(run_dir)
+        runs[backend] = committed_steps(run_dir)
     assert runs["sglang"] == runs["hf"]
     assert any(src == "helper" for steps in runs["hf"].values() for _, src, _ in steps)
 
@@ -213,7 +185,7 @@ def test_a_crashed_worker_stops_the_run_clearly_and_the_rerun_resumes(tmp_path, 
                               extra={"models": models, "run": {"batch_problems": 1}})
     assert cli("run", reference).exit_code == 0
     (ref_dir,) = (tmp_path / "reference" / "results").iterdir()
-    expected = _steps(ref_dir)
+    expected = committed_steps(ref_dir)
 
     path = tiny_pipeline(tmp_path / "crashed", name="crash", problems=3, n=2, max_tokens=32,
                          extra={"models": models, "run": {"batch_problems": 1}})
@@ -234,11 +206,11 @@ def test_a_crashed_worker_stops_the_run_clearly_and_the_rerun_resumes(tmp_path, 
         assert time.monotonic() < deadline, f"SGLang processes outlived their worker: {left}"
         time.sleep(0.2)
     (run_dir,) = out.iterdir()
-    assert 1 <= len(_steps(run_dir)) < 3
+    assert 1 <= len(committed_steps(run_dir)) < 3
     assert cli("run", path).exit_code == 0
     lines = (run_dir / "samples.jsonl").read_text().splitlines()
     assert len(lines) == 3 and len({json.loads(x)["id"] for x in lines}) == 3
-    assert _steps(run_dir) == expected
+    assert committed_steps(run_dir) == expected
 
 
 @pytest.mark.e2e

@@ -14,57 +14,21 @@ from __future__ import annotations
 
 import json
 
-import pytest
-import torch
 
-from conftest import require_sglang
-from kvflow.components.engine import ProposeRequest, SamplingSpec, StartRequest, SyncRequest
+from conftest import committed_steps, require_sglang
+from kvflow.components.engine import ProposeRequest, SamplingSpec, StartRequest
 from kvflow.config.schema import ModelConfig
 from kvflow.registry import get_registry
 from kvflow.testing import tiny_pipeline
 from kvflow.testing.engine_contract import run_to_end
 
-QUESTION = "Natalia sold 48 clips in April and half as many in May. How many clips did she sell?"
-NEVER = "\x00\x01"  # a delimiter the tiny model never writes: steps run to max_step_tokens
-
-
-@pytest.fixture(scope="module")
-def sglang_engine(shared_tiny_qwen):
-    require_sglang()
-    from kvflow.backends.sglang import SGLangBackend
-
-    return SGLangBackend.load(ModelConfig(backend="sglang", id=str(shared_tiny_qwen), dtype="float32", device="cpu"))
-
-
-@pytest.fixture(scope="module")
-def hf_engine(shared_tiny_qwen):
-    from kvflow.backends.hf import HFBackend
-
-    return HFBackend.load(ModelConfig(id=str(shared_tiny_qwen), dtype="float32", device="cpu"))
-
-
-def _prompt(engine) -> str:
-    return engine.tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], tokenize=False,
-                                                add_generation_prompt=True)
+from kvflow.testing.engine_parity import NEVER, greedy_steps
+from kvflow.testing.engine_parity import chat_prompt as _prompt
 
 
 def _evictor(kind: str, **params):
     cls = get_registry().get("evictors", kind)
     return cls(cls.Params(**{"budget": 16, "buffer": 8, "window": 4, **params}))
-
-
-def _steps(engine, evictor, *, rng_key=7, n_steps=4, spec=None):
-    """Greedy steps from one prompt: adopt candidate 0, then 1, then ingest candidate 0's
-    text (another proposer's path). Returns (per step: tokens, finish, logprobs), last state."""
-    spec = spec or SamplingSpec(2, 0.0, 1.0, 30, NEVER)
-    (state,) = engine.start([StartRequest(_prompt(engine), evictor, rng_key)])
-    steps = []
-    for k in range(n_steps):
-        (p,) = run_to_end(engine, [ProposeRequest(state, "base", spec, k, 400)])
-        steps.append([(c.token_ids, c.finish, c.logprobs) for c in p.candidates])
-        own = k if k < 2 else None
-        (state,) = engine.sync([SyncRequest(state, p, own, p.candidates[0].text)])
-    return steps, state
 
 
 def _tokens(steps):
@@ -73,8 +37,8 @@ def _tokens(steps):
 
 def test_eviction_changes_the_tokens(hf_engine):
     """The engine parity is not vacuous: the evicted run differs from the full-context one."""
-    full, _ = _steps(hf_engine, get_registry().get("evictors", "none")(get_registry().get("evictors", "none").Params()))
-    evicted, _ = _steps(hf_engine, _evictor("streaming"))
+    full, _ = greedy_steps(hf_engine, get_registry().get("evictors", "none")(get_registry().get("evictors", "none").Params()))
+    evicted, _ = greedy_steps(hf_engine, _evictor("streaming"))
     assert _tokens(full) != _tokens(evicted)
 
 
@@ -151,14 +115,6 @@ def _rescue(tmp_path, backend: str, model_dir):
                          evictor={"kind": "rkv", "budget": 16, "buffer": 8, "window": 4}, extra=extra)
 
 
-def _committed(run_dir):
-    out = {}
-    for r in map(json.loads, (run_dir / "samples.jsonl").read_text().splitlines()):
-        out[r["id"]] = [(s["text"], s["source"], None if s["score"] is None else round(s["score"], 4))
-                        for s in r["steps"]]
-    return out
-
-
 def test_kv_rescue_with_every_model_on_sglang_commits_what_hf_commits(tmp_path, cli, shared_tiny_qwen):
     require_sglang()
     runs = {}
@@ -166,7 +122,7 @@ def test_kv_rescue_with_every_model_on_sglang_commits_what_hf_commits(tmp_path, 
         result = cli("run", _rescue(tmp_path, backend, shared_tiny_qwen))
         assert result.exit_code == 0, result.output
         (run_dir,) = [d for d in (tmp_path / "results").iterdir() if d.name.startswith(f"rescue_{backend}")]
-        runs[backend] = _committed(run_dir)
+        runs[backend] = committed_steps(run_dir)
     assert runs["sglang"] == runs["hf"]
     sources = {src for steps in runs["hf"].values() for _, src, _ in steps}
     assert sources == {"base", "helper"}  # both proposers' paths (adopt and ingest) were taken

@@ -277,7 +277,7 @@ def explain_lines(loaded: "LoadedPipeline", registry: Optional["Registry"] = Non
         scorer_engine = ident_of(smodel)  # scored through that model's engine (a scoring session)
         engines.setdefault(scorer_engine, [])
     out.append("engines (one per model; proposers on one model decode in one forward per token; each model "
-               f"decodes at most batch_problems x its candidates per problem rows):")
+               "decodes at most batch_problems x its candidates per problem rows):")
     for ident, names in engines.items():
         rows = r.batch_problems * sum(pipe.proposers[n].n for n in names)
         backend = ident[0] if len(ident) > 1 else "?"

@@ -50,16 +50,20 @@ def load_engine(backend: str, model_dir: Path | None = None):
     return loader.load(cfg)
 
 
+def chat_prompt(engine) -> str:
+    """The scenario's prompt: one GSM8K-style question in the engine's chat template."""
+    return engine.tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], tokenize=False,
+                                                add_generation_prompt=True)
+
+
 def greedy_steps(engine, evictor, *, rng_key: int = 7, n_steps: int = 4, max_step_tokens: int = 30):
     """The scenario of the module docstring. Returns ([per step: [(tokens, finish, logprobs)]],
     the final state)."""
     from kvflow.components.engine import ProposeRequest, SamplingSpec, StartRequest, SyncRequest
     from kvflow.testing.engine_contract import run_to_end
 
-    prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], tokenize=False,
-                                                  add_generation_prompt=True)
     spec = SamplingSpec(2, 0.0, 1.0, max_step_tokens, NEVER)
-    (state,) = engine.start([StartRequest(prompt, evictor, rng_key)])
+    (state,) = engine.start([StartRequest(chat_prompt(engine), evictor, rng_key)])
     steps = []
     for k in range(n_steps):
         (p,) = run_to_end(engine, [ProposeRequest(state, "base", spec, k, 400)])
