@@ -183,3 +183,23 @@ def test_a_full_pool_admits_more_evicted_candidates_than_full_context_ones(share
         assert peaks["full"] < 12, peaks  # the same pool holds fewer growing requests
     finally:
         engine.worker.close()
+
+
+def test_positions_keep_advancing_past_compactions(sglang_engine, hf_engine, tmp_path):
+    """After compactions the state holds `budget`-ish tokens per head but its next position is
+    the logical length (what RoPE needs; SGLang alone would use the row length), and decoding
+    from it gives hf's tokens (the engine axis of the evictor contract checks every evictor)."""
+    import torch
+
+    sglang_engine.dump_dir = str(tmp_path)
+    try:
+        steps, state = greedy_steps(sglang_engine, _evictor("streaming"))
+    finally:
+        sglang_engine.dump_dir = None
+    snap = torch.load(tmp_path / f"{state.snap}.pt")
+    assert snap["compactions"] >= 3
+    assert snap["logical"] == state.cached == len(state.ids) - 1  # every cached token counted once
+    assert snap["keys"].shape[2] == state.resident < snap["logical"] - 2 * 8  # far fewer resident
+    want, _ = greedy_steps(hf_engine, _evictor("streaming"))
+    assert _tokens(steps) == _tokens(want)
+    sglang_engine.release([state])
