@@ -19,6 +19,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 
 def main() -> None:
@@ -40,7 +41,7 @@ def main() -> None:
     from kvflow.registry import get_registry
     from kvflow.testing.engine_parity import shared_model_dir
 
-    sys.path.insert(0, "bench")
+    sys.path.insert(0, str(Path(__file__).parent))
     from sglang_evicted import _never_stop_at_eos, _prompt  # noqa: E402 - the same prompt and EOS rule
 
     model = args.model or str(shared_model_dir())

@@ -151,12 +151,9 @@ def _warm(engine, prompt: str, full) -> None:
 
 
 def _prompt(engine) -> str:
-    from kvflow.eval.datasets import load_problems
+    from sglang_engine import load_dataset_prompts  # bench/ is on sys.path (main)
 
-    (p,) = load_problems("gsm8k", limit=1)
-    return engine.tokenizer.apply_chat_template(
-        [{"role": "user", "content": p.question + "\nPlease reason step by step, and put your final answer within \\boxed{}."}],
-        tokenize=False, add_generation_prompt=True)
+    return load_dataset_prompts(engine, 1)[0]
 
 
 if __name__ == "__main__":

@@ -68,19 +68,21 @@ def engine_use_problems(loaded: LoadedPipeline, registry=None) -> list:
                 f"{' or '.join(repr(b) for b in allowed)} only, not '{backend}'",
                 f"set models.{key}.backend: {allowed[0]} (or score with `likelihood`, which runs on any engine)"))
     for name, prop in loaded.pipeline.proposers.items():
-        backend = loaded.pipeline.models[prop.model].backend
-        loader = registry.get("backends", backend)
         if prop.evictor.kind == "none":
             continue
+        backend = loaded.pipeline.models[prop.model].backend
+        loader = registry.get("backends", backend)
         if not getattr(loader, "evicts", True):
             problems.append(loaded.problem(
                 f"proposers.{name}.evictor", f"backend '{backend}' (models.{prop.model}.backend) runs full-context "
                 f"proposers only, not evictor '{prop.evictor.kind}'", "put this proposer's model on backend 'hf'"))
         elif hasattr(loader, "check_evictor"):  # what a backend cannot do with an evictor, said before loading
             why = loader.check_evictor(loaded.pipeline.models[prop.model], loaded.components.proposers[name].evictor.params)
-            if why:
-                where = f"proposers.{name}.evictor.{why[0]}" if why[0].startswith("params") else f"models.{prop.model}.{why[0]}"
-                problems.append(loaded.problem(where.replace(".params.", "."), why[1]))
+            if why:  # ("params.<name>", ...) is the evictor's parameter, anything else the model entry's
+                field, message = why
+                param = field.removeprefix("params.")
+                where = f"proposers.{name}.evictor.{param}" if param != field else f"models.{prop.model}.{field}"
+                problems.append(loaded.problem(where, message))
     return problems
 
 

@@ -404,11 +404,7 @@ class SGLangEngine(EvictedStates):
             self._scores[rid] = None
             self.worker.send("score", rid, ids, start)
             rids.append(rid)
-        deadline = time.monotonic() + 3600
-        while any(self._scores[r] is None for r in rids):
-            if time.monotonic() > deadline:
-                raise EngineError(f"{self.worker.where}: SGLang scoring timed out")
-            self._take(self.worker.poll(_POLL_S))  # proposals keep streaming meanwhile
+        self._wait(lambda: all(self._scores[r] is not None for r in rids), "scores")
         out = []
         for rid in rids:
             msg = self._scores.pop(rid)

@@ -153,7 +153,7 @@ class Runtime:
             req.prefix_len = live.resident
         return True
 
-    def _restore(self, req, tree_cache, snap: Snapshot, live: Live) -> None:
+    def _restore(self, req, tree_cache, snap: Snapshot, live: Live) -> bool:
         n = snap.length
         pool = tree_cache.req_to_token_pool
         allocator = tree_cache.token_to_kv_pool_allocator
@@ -214,6 +214,7 @@ class Runtime:
         q = q.reshape(q.shape[0], -1, head_dim)  # [tokens, q_heads, D]
         req_to_token = self.req_to_token_pool.req_to_token
         kv = self.kv
+        layers = len(kv.k_buffer)
         for _, start, count, live, pool_idx in rows:
             ev = live.evictor
             if not ev.query_window and not ev.observes_attention:
@@ -222,9 +223,7 @@ class Runtime:
             if ev.query_window:
                 w = ev.query_window
                 if live.queries is None:
-                    live.queries = []
-                while len(live.queries) <= lid:
-                    live.queries.append(None)
+                    live.queries = [None] * layers
                 old = live.queries[lid]
                 if old is None:
                     old = new.new_zeros(new.shape[0], w, new.shape[2])
@@ -234,9 +233,7 @@ class Runtime:
                 slots = req_to_token[pool_idx, :span].long()
                 keys = kv.get_key_buffer(lid)[slots].transpose(0, 1)[None]  # [1, kv_heads, span, D]
                 if live.stats is None:
-                    live.stats = []
-                while len(live.stats) <= lid:
-                    live.stats.append(None)
+                    live.stats = [None] * layers
                 if live.stats[lid] is None:
                     live.stats[lid] = torch.zeros(keys.shape[1], ev.trigger + 1, dtype=torch.float32,
                                                   device=keys.device)
@@ -264,7 +261,7 @@ class Runtime:
         n, budget = live.resident, live.evictor.params.budget
         slots = pool.req_to_token[req.kv.req_pool_idx, :n].long()
         keys, values = self._read(kv, slots)
-        keys, values, queries, stats = self._compacted(live, keys, values)
+        keys, values, stats = self._compacted(live, keys, values)
         for layer in range(keys.shape[0]):
             kv.k_buffer[layer][slots[:budget]] = keys[layer].transpose(0, 1)
             kv.v_buffer[layer][slots[:budget]] = values[layer].transpose(0, 1)
@@ -308,7 +305,7 @@ class Runtime:
             kept_v.append(values[layer].gather(1, idx[..., None].expand(-1, -1, values.shape[-1])))
             if stats is not None:
                 kept_s.append(stats[0].gather(1, idx))
-        return torch.stack(kept_k), torch.stack(kept_v), live.queries, (kept_s or None)
+        return torch.stack(kept_k), torch.stack(kept_v), (kept_s or None)  # the query window stays as it is
 
     # ------------------------------------------------------------------ end of a request
 
@@ -331,7 +328,7 @@ class Runtime:
         stats = [s[:n] for s in live.stats] if live.stats is not None else None
         offset, compactions = live.offset, live.compactions
         if n >= live.evictor.trigger:  # it ended on the token that made it due: compact the copy
-            keys, values, _, stats = self._compacted(live, keys, values)
+            keys, values, stats = self._compacted(live, keys, values)
             offset += n - live.evictor.params.budget
             n = live.evictor.params.budget
             compactions += 1
@@ -398,13 +395,10 @@ def _release(req, tree_cache, *args, **kwargs):
     return None
 
 
-def _room(req, admitting: bool) -> Optional[int]:
+def _room(req, live: Live, admitting: bool) -> int:
     """Tokens an evicted request may still add before its next compaction frees the rest: all
     SGLang's admission control needs to reserve for it (its row never exceeds `budget +
-    buffer`), where it would reserve the step cap. None for other requests."""
-    live = RUNTIME.live.get(req.rid)
-    if live is None:
-        return None
+    buffer`), where it would reserve the step cap."""
     size = live.resident + (len(req.full_untruncated_fill_ids) - req.prefix_len if admitting else 0)
     return max(1, live.evictor.trigger - size)
 
@@ -415,12 +409,14 @@ def _reserving_room(admitting: bool):
         before its next compaction (its own stop rule keeps the real one). A request whose
         snapshot found no room in the pool yet is not admitted (it waits for the next round)."""
         live = RUNTIME.live.get(req.rid)
-        if admitting and live is not None and not RUNTIME.restore(req, adder.tree_cache, live):
+        if live is None:
+            return original(adder, req, *args, **kwargs)
+        if admitting and not RUNTIME.restore(req, adder.tree_cache, live):
             from sglang.srt.managers.schedule_policy import AddReqResult
 
             return AddReqResult.NO_TOKEN
-        room, params = _room(req, admitting), req.sampling_params
-        if room is None or len(req.output_ids) + room >= params.max_new_tokens:
+        room, params = _room(req, live, admitting), req.sampling_params
+        if len(req.output_ids) + room >= params.max_new_tokens:
             return original(adder, req, *args, **kwargs)
         real, params.max_new_tokens = params.max_new_tokens, len(req.output_ids) + room
         try:

@@ -14,7 +14,7 @@ dropped only once its end has arrived).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence
 
 from kvflow.backends.sglang.client import EngineError
@@ -48,8 +48,7 @@ class EvictedStates:
         if r.own_index is None:
             for row in rows:
                 self._discard(row)
-            return EvictedState(state.ids + self.encode(r.text), state.snap, state.cached, state.resident,
-                                state.evictor, state.rng_key, state.n_protected)
+            return replace(state, ids=state.ids + self.encode(r.text))
         cand, own = r.proposal.candidates[r.own_index], rows[r.own_index]
         for row in rows:
             if row is not own:
@@ -61,11 +60,10 @@ class EvictedStates:
             self.counters["adopted"] += 1
             if state.snap:
                 self._drop(state.snap)
-            return EvictedState(ids, own.snap, len(ids) - 1, _resident_after(state.resident, len(cand.token_ids),
-                                                                              state.evictor),
-                                state.evictor, rng_key, state.n_protected)
+            return replace(state, ids=ids, snap=own.snap, cached=len(ids) - 1, rng_key=rng_key,
+                           resident=_resident_after(state.resident, len(cand.token_ids), state.evictor))
         self.counters["adopted_by_ingest"] += 1  # stopped by kvflow (a pruner): its snapshot has more
-        return EvictedState(ids, state.snap, state.cached, state.resident, state.evictor, rng_key, state.n_protected)
+        return replace(state, ids=ids, rng_key=rng_key)
 
     def _catch_up(self, states: Sequence[EvictedState]) -> None:
         """Cache every state's tokens but the pending one, in requests from each state's
