@@ -12,6 +12,8 @@ _EVICTORS = {
     "h2o": "kvflow_builtin.evictors.h2o:H2OEvictor",
     "vase": "kvflow_builtin.evictors.vase:VaSEEvictor",
     "breadthkv": "kvflow_builtin.evictors.breadthkv:BreadthKVEvictor",
+    "pyramidkv": "kvflow_builtin.evictors.pyramidkv:PyramidKVEvictor",
+    "ada-snapkv": "kvflow_builtin.evictors.ada_snapkv:AdaSnapKVEvictor",
 }
 _PRUNERS = {
     "entropy": "kvflow_builtin.pruners.entropy:EntropyPruner",

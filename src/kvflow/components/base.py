@@ -182,6 +182,14 @@ class Evictor:
 
     `score()` is called with keyword arguments; implementations should accept `**kwargs` so
     that later kvflow versions can pass more context without breaking them.
+
+    Allocation (`kvflow.components.allocation`): by default every (layer, KV head) keeps
+    `budget` tokens. `layer_budgets()` may give each layer its own (PyramidKV), summing to
+    `budget x layers`; `adaptive_heads = True` ranks a layer's tokens across its KV heads, so
+    head h keeps k_h tokens with sum_h k_h = kv_heads x the layer's budget (Ada-KV). Either
+    way `select()` still enforces the window, the protected prompt, time order and the totals.
+    Compactions happen for all layers at once, when a row's nominal length (the budget plus
+    the tokens appended since the last compaction) reaches `budget + buffer`.
     """
 
     Params: ClassVar[type[EvictorParams]] = EvictorParams
@@ -189,6 +197,8 @@ class Evictor:
     bounded: ClassVar[bool] = True
     #: True for methods that need `observe()` at every forward (see the class docstring).
     observes_attention: ClassVar[bool] = False
+    #: True: a layer's kept tokens are ranked across its KV heads (Ada-KV; see the class docstring).
+    adaptive_heads: ClassVar[bool] = False
 
     def __init__(self, params: EvictorParams) -> None:
         self.params = params
@@ -202,6 +212,36 @@ class Evictor:
     def trigger(self) -> int:
         """Resident length at which a row is compacted."""
         return self.params.budget + self.params.buffer
+
+    def layer_budgets(self, num_layers: int) -> list[int]:
+        """Tokens each layer keeps per KV head after a compaction (a layer of an adaptive
+        evictor keeps kv_heads x this in all). Must sum to `budget x num_layers`, each above
+        `window` and at most `budget + buffer`; `allocation()` checks. Default: `budget`."""
+        return [self.params.budget] * num_layers
+
+    def head_capacity(self, layer_budget: int, kv_heads: int) -> int:
+        """Most tokens one KV head of a layer with `layer_budget` may keep: the width the
+        cache stores per head (adaptive evictors override; see `allocation.AdaptiveHeads`)."""
+        return layer_budget
+
+    def allocation(self, num_layers: int) -> list[int]:
+        """`layer_budgets(num_layers)`, checked: exact total, each layer above the window and
+        within what a layer holds at a compaction. ValueError says which rule failed."""
+        budgets = [int(b) for b in self.layer_budgets(num_layers)]
+        p = self.params
+        if len(budgets) != num_layers:
+            raise ValueError(f"layer_budgets gave {len(budgets)} budgets for {num_layers} layers")
+        if sum(budgets) != p.budget * num_layers:
+            raise ValueError(f"layer budgets sum to {sum(budgets)}, not budget x layers = {p.budget * num_layers}")
+        for layer, b in enumerate(budgets):
+            if not p.window < b <= self.trigger:
+                raise ValueError(f"layer {layer} would keep {b} tokens per head: it must keep more than the window "
+                                 f"({p.window}) and at most budget + buffer ({self.trigger})")
+        return budgets
+
+    def varies(self, num_layers: int) -> bool:
+        """True when kept counts differ across layers or heads (the cache then tracks them)."""
+        return self.adaptive_heads or len(set(self.allocation(num_layers))) > 1
 
     def n_protected(self, prompt_len: int) -> int:
         """Leading slots that are never evicted for a prompt of `prompt_len` cached tokens."""
@@ -271,21 +311,39 @@ class Evictor:
         n_protected: "_torch.Tensor",
         generators: Sequence["_torch.Generator"],
         stats: Optional["_torch.Tensor"] = None,
+        budget: Optional[int] = None,
+        head_lengths: Optional["_torch.Tensor"] = None,
     ) -> "_torch.Tensor":
         """Slots to keep: [rows, kv_heads, budget] int64, ascending (time order): the `budget`
-        highest scores, forced slots first; among equal scores the earlier slot is kept."""
+        highest scores, forced slots first; among equal scores the earlier slot is kept.
+
+        budget: this layer's (`layer_budgets()`; default `params.budget`). head_lengths:
+        [rows, kv_heads] resident tokens per head when they differ (after an adaptive
+        compaction; head h's slots >= head_lengths[row, h] are padding); `score()` gets it too.
+        Adaptive evictors return [rows, kv_heads, head_capacity] instead: head h's k_h kept
+        slots ascending, then -1 (see `kvflow.components.allocation.adaptive_keep`)."""
         rows, kv_heads, n, _ = keys.shape
-        budget = self.params.budget
+        budget = self.params.budget if budget is None else budget
         extra = {"stats": stats} if self.observes_attention else {}
+        if head_lengths is not None:
+            extra["head_lengths"] = head_lengths
+        if budget < self.params.budget:  # a smaller layer budget protects what still fits
+            n_protected = n_protected.clamp(max=max(0, budget - self.params.window - 1))
         scores = self.score(keys, values, queries, layer_idx=layer_idx, lengths=lengths, n_protected=n_protected,
                             generators=generators, **extra)
         scores = scores.float().clone()
-        slot = torch.arange(n, device=keys.device)[None, :]  # [1, N]
-        length = lengths.to(keys.device)[:, None]  # [rows, 1]
+        slot = torch.arange(n, device=keys.device)[None, None, :]  # [1, 1, N]
+        per_head = lengths[:, None] if head_lengths is None else head_lengths
+        length = per_head.to(keys.device)[:, :, None]  # [rows, kv_heads or 1, 1]
         valid = slot < length
-        always = (slot >= length - self.params.window) | (slot < n_protected.to(keys.device)[:, None])
-        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-        scores = scores.masked_fill((always & valid)[:, None, :], float("inf"))
+        always = (slot >= length - self.params.window) | (slot < n_protected.to(keys.device)[:, None, None])
+        scores = scores.masked_fill(~valid, float("-inf"))
+        scores = scores.masked_fill(always & valid, float("inf"))
+        if self.adaptive_heads:
+            from kvflow.components.allocation import adaptive_keep
+
+            return adaptive_keep(scores, kv_heads * budget, self.head_capacity(budget, kv_heads),
+                                 self.head_floor(budget))
         # ties: the earlier slot wins. A stable sort makes the kept set a function of the scores
         # alone (topk's tie order depends on the batch shape and the device); tied scores are
         # common (key norms of a repeated token, SnapKV's max pooling). Earlier-first is what

@@ -166,8 +166,32 @@ class EvictorContract(ComponentContract):
             prev_comp = comp
         assert compacted_rows >= len(PROMPTS), "the scenario should compact every row"
         assert len(set(cache.rows.compactions.tolist())) > 1, "rows should compact at different times"
-        for layer in cache.layers:
-            assert layer.keys.shape[2] == peak + 1 and layer.values.shape[2] == peak + 1, "KV storage grew"
+        for i, layer in enumerate(cache.layers):
+            cap = cache.layer_capacity(i)
+            assert layer.keys.shape[2] == cap and layer.values.shape[2] == cap, "KV storage grew"
+
+    @pytest.mark.parametrize("arch", ["qwen2", "llama"])
+    def test_allocation_totals(self, evictor_factory, arch):
+        """Per (row, layer): the kept tokens after the last compaction sum to kv_heads x the
+        layer's budget (`layer_budgets()`, which sum to budget x layers), every head keeps
+        more than the window and no more than `head_capacity`; heads of a non-adaptive
+        evictor keep the same count."""
+        runner = _runner(arch, "float32")
+        ev = self.make(evictor_factory)
+        self._needs_bounded(ev)
+        _, cache = decode(runner, ev, PROMPTS, self.contract_steps)
+        budgets = ev.allocation(runner.num_layers)
+        assert sum(budgets) == ev.params.budget * runner.num_layers
+        appended = cache.rows.lengths - ev.params.budget  # tokens since each row's last compaction
+        assert (cache.rows.compactions > 0).all()
+        for i, b in enumerate(budgets):
+            heads = cache.head_lengths(i)  # [rows, kv_heads]
+            kept = heads - appended[:, None]
+            assert (kept.sum(-1) == heads.shape[1] * b).all(), f"layer {i}: kept {kept.tolist()}, budget {b}"
+            assert (kept >= ev.params.window).all(), f"layer {i}: a head kept fewer tokens than its window"
+            assert (kept <= ev.head_capacity(b, heads.shape[1])).all(), f"layer {i}: a head above head_capacity"
+            if not ev.adaptive_heads:
+                assert (kept == b).all(), f"layer {i}: heads of a non-adaptive evictor kept different counts"
 
     # ------------------------------------------------------------------ select() invariants
 
@@ -207,7 +231,7 @@ class EvictorContract(ComponentContract):
         extra = {"stats": stats[:1]} if ev.observes_attention else {}
         scores = ev.score(keys[:1], values[:1], queries[:1] if queries is not None else None, layer_idx=0,
                           lengths=lengths[:1], n_protected=n_protected[:1], generators=gens, **extra).float()
-        if bool((scores == scores[..., :1]).all()):  # every slot ties: the window, then the earliest
+        if bool((scores == scores[..., :1]).all()) and not ev.adaptive_heads:  # all tie: the window, then the earliest
             window = ev.params.window
             expected = torch.tensor(list(range(budget - window)) + list(range(n - window, n))).expand(1, kv_heads, budget)
             assert torch.equal(alone, expected), (
@@ -236,11 +260,19 @@ class EvictorContract(ComponentContract):
         gens = [torch.Generator().manual_seed(s) for s in range(rows)]
         keep = ev.select(keys, values, queries, layer_idx=0, lengths=lengths, n_protected=n_protected,
                          generators=gens, stats=stats)
-        assert keep.shape == (rows, kv_heads, budget) and keep.dtype == torch.long
-        assert (keep[..., 1:] > keep[..., :-1]).all(), "kept slots not strictly ascending (time order, unique)"
-        assert (keep < lengths[:, None, None]).all() and (keep >= 0).all(), "kept a padding slot"
+        width = ev.head_capacity(budget, kv_heads)
+        assert keep.shape == (rows, kv_heads, width) and keep.dtype == torch.long
+        counts = (keep >= 0).sum(-1)  # adaptive evictors pad each head's kept slots with -1
+        assert (counts.sum(-1) == kv_heads * budget).all(), "kept tokens do not sum to kv_heads x budget"
+        if not ev.adaptive_heads:
+            assert (counts == budget).all()
+        real = torch.arange(width)[None, None, :] < counts[..., None]
+        assert ((keep >= 0) == real).all(), "a head's kept slots must come first, then -1"
+        big = torch.where(real, keep, torch.iinfo(torch.long).max)
+        assert ((big[..., 1:] > big[..., :-1]) | ~real[..., 1:]).all(), "kept slots not strictly ascending (time order)"
+        assert ((keep < lengths[:, None, None]) | ~real).all(), "kept a padding slot"
         for r in range(rows):
-            kept = [set(keep[r, h].tolist()) for h in range(kv_heads)]
+            kept = [set(keep[r, h, : int(counts[r, h])].tolist()) for h in range(kv_heads)]
             must = set(range(int(lengths[r]) - window, int(lengths[r]))) | set(range(int(n_protected[r])))
             for h in range(kv_heads):
                 assert must <= kept[h], f"row {r} head {h}: window/protected slots evicted"
@@ -277,8 +309,10 @@ class EvictorContract(ComponentContract):
         for _ in range(self.contract_steps):
             pending = runner.forward(cache, pending[:, None]).argmax(-1).cpu()
         assert (cache.rows.compactions > 0).all()
-        for layer, ref in zip(cache.layers, full.layers):
+        budgets = ev.allocation(runner.num_layers)
+        for b, layer, ref in zip(budgets, cache.layers, full.layers):
             for r, p in enumerate(protected.tolist()):
+                p = min(p, max(0, b - ev.params.window - 1))  # a smaller layer budget protects what fits
                 torch.testing.assert_close(layer.keys[r, :, :p], ref.keys[r, :, :p], rtol=1e-5, atol=1e-5)
 
     # ------------------------------------------------------------------ identity
@@ -329,8 +363,13 @@ class EvictorContract(ComponentContract):
             n = int(alone.rows.lengths[0])
             assert int(batch.rows.lengths[r]) == n
             assert int(batch.rows.compactions[r]) == int(alone.rows.compactions[0])
-            for lb, la in zip(batch.layers, alone.layers):
-                torch.testing.assert_close(lb.keys[r, :, :n], la.keys[0, :, :n], rtol=1e-5, atol=1e-5)
+            for i in range(len(batch.layers)):
+                kb, vb, nb = batch.resident(i, torch.tensor([r]))
+                ka, va, na = alone.resident(i, torch.tensor([0]))
+                assert torch.equal(nb, na), f"row {r} layer {i}: per-head lengths differ batched and alone"
+                for h, m in enumerate(na[0].tolist()):
+                    torch.testing.assert_close(kb[0, h, :m], ka[0, h, :m], rtol=1e-5, atol=1e-5)
+                    torch.testing.assert_close(vb[0, h, :m], va[0, h, :m], rtol=1e-5, atol=1e-5)
 
     def test_fork_and_join_carry_row_state(self, evictor_factory):
         """Rows forked (`select`) and joined (`cat`) decode exactly as the originals."""
@@ -372,9 +411,11 @@ class EvictorContract(ComponentContract):
         _, cache = decode(runner, ev, PROMPTS, self.contract_steps)
         if ev.bounded:
             assert (cache.rows.compactions > 0).all()
-        for layer in cache.layers:
+        for i, layer in enumerate(cache.layers):
+            keys, values, heads = cache.resident(i, torch.arange(cache.n_rows))
             for r, n in enumerate(cache.rows.lengths.tolist()):
-                assert torch.isfinite(layer.keys[r, :, :n].float()).all()
-                assert torch.isfinite(layer.values[r, :, :n].float()).all()
+                for h, m in enumerate(heads[r].tolist()):
+                    assert torch.isfinite(keys[r, h, :m].float()).all()
+                    assert torch.isfinite(values[r, h, :m].float()).all()
                 if layer.stats is not None:
                     assert torch.isfinite(layer.stats[r, :, :n]).all()

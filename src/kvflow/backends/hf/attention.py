@@ -27,6 +27,8 @@ def kvflow_attention(module, query, key, value, attention_mask, **kwargs):
     if hasattr(cache, "attend"):  # a DecodeBatch: attention part by part, each over its own slots
         return cache.attend(sdpa_attention_forward, module, query, key, value, **kwargs)
     if cache is not None:
+        if cache.varies:  # each layer has its own lengths and per-head holes
+            attention_mask = cache.attention_mask(module.layer_idx, query.shape[1])
         if cache.query_window:
             cache.layers[module.layer_idx].record_queries(query)
         if cache.observes:  # e.g. H2O: the attention every cached key receives from the new queries

@@ -19,6 +19,17 @@ batch without left padding. A forward may carry right padding (rows with fewer n
 than the widest row): padded tokens are written to a scratch slot past the resident region
 and masked out. When a row's resident length reaches `budget + buffer` it is compacted in
 place to exactly `budget` tokens per (layer, KV head), in time order.
+
+Allocations that vary (`Evictor.varies()`: PyramidKV's layer budgets, Ada-KV's head
+allocation; `kvflow.components.allocation`) keep the same cadence: a row's nominal length
+(`RowState.lengths`) is the budget plus the tokens appended since its last compaction, and
+every layer compacts when it reaches `budget + buffer`. After a compaction head h of layer l
+holds its k_h kept tokens in slots [0, k_h) and the layer's new tokens go after its longest
+head (slot K_l = max_h k_h onwards): per row, layer l's length is the nominal length plus
+`layer_offset` (K_l - budget), and slots [hole_start_h, hole_end) = [k_h, K_l) are masked
+out of head h's attention. A layer stores max(budget, the longest head it may keep) +
+buffer + 1 slots per head (`layer_capacity`, what `kvflow.kv_memory` counts). The evictor
+sees each head's tokens gathered contiguously ([0, k_h) then [K_l, length)).
 """
 
 from __future__ import annotations
@@ -48,6 +59,10 @@ class RowState:
     rng_keys: torch.Tensor  # [rows] int64, per-row seed of stochastic evictors
     compactions: torch.Tensor  # [rows] int64, how many times each row was compacted
     n_quantized: torch.Tensor  # [rows] int64, leading slots held quantized (0 without `quantize`)
+    # varying allocations only (else [rows, 0] and [rows, 0, 0]), see the module docstring:
+    layer_offset: torch.Tensor  # [rows, layers] int64, a layer's length minus the nominal length
+    hole_start: torch.Tensor  # [rows, layers, kv_heads] int64, k_h: head h's kept tokens
+    hole_end: torch.Tensor  # [rows, layers] int64, K_l: where the layer's new tokens start
 
     def select(self, rows: torch.Tensor) -> "RowState":
         return RowState(*(getattr(self, f).index_select(0, rows) for f in self.__dataclass_fields__))
@@ -56,13 +71,25 @@ class RowState:
     def cat(states: Sequence["RowState"]) -> "RowState":
         return RowState(*(torch.cat([getattr(s, f) for s in states]) for f in RowState.__dataclass_fields__))
 
+    def with_allocation(self, layers: int, kv_heads: int) -> "RowState":
+        """These rows with per-layer bookkeeping for a varying allocation (zeros where absent:
+        no compaction yet, every head holds every token)."""
+        n = len(self.lengths)
+        if self.layer_offset.shape[1:] == (layers,) and self.hole_start.shape[1:] == (layers, kv_heads):
+            return self
+        zeros = torch.zeros(n, layers, dtype=torch.long)
+        return RowState(self.lengths, self.positions, self.n_protected, self.n_queries, self.rng_keys,
+                        self.compactions, self.n_quantized, zeros, torch.zeros(n, layers, kv_heads, dtype=torch.long),
+                        zeros.clone())
+
 
 class BudgetedLayer(CacheLayerMixin):
     """One layer's storage. `update()` is what the model's attention calls."""
 
-    def __init__(self, cache: "BudgetedCache") -> None:
+    def __init__(self, cache: "BudgetedCache", index: int) -> None:
         super().__init__()
         self.cache = cache
+        self.index = index
         self.queries: Optional[torch.Tensor] = None  # [rows, q_heads, W, head_dim]
         self.stats: Optional[torch.Tensor] = None  # [rows, kv_heads, capacity] float32 (observing evictors)
         self.qstore: Optional[QuantizedStore] = None  # slots [0, n_quantized) of each row (quantized caches)
@@ -70,7 +97,7 @@ class BudgetedLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         rows, kv_heads, _, head_dim = key_states.shape
         cache = self.cache
-        cap = cache.fp_capacity if cache.quant else cache.capacity
+        cap = cache.fp_capacity if cache.quant else cache.layer_capacity(self.index)
         self.keys = key_states.new_zeros(rows, kv_heads, cap, head_dim)
         self.values = value_states.new_zeros(rows, kv_heads, cap, value_states.shape[-1])
         if cache.quant:
@@ -85,7 +112,7 @@ class BudgetedLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         elif not self.cache.evictor.bounded and self.keys.shape[2] < self.cache.capacity:
             self._grow(self.cache.capacity)
-        write = self.cache._write_plan  # set by BudgetedCache.begin_forward
+        write = self.cache.plan(self.index)  # set by BudgetedCache.begin_forward
         if self.qstore is not None:
             return self._update_quantized(key_states, value_states, write)
         if write.contiguous_at is not None:
@@ -134,7 +161,7 @@ class BudgetedLayer(CacheLayerMixin):
         joined = torch.cat([self.queries, query], dim=2)  # [rows, heads, W + T, d]
         # old valid entries end at W and new ones start there, so the last W valid entries of
         # row r are joined[s_r : s_r + W], with s_r the row's real new-token count.
-        idx = self.cache._write_plan.query_gather  # [rows, W]
+        idx = self.cache.plan(self.index).query_gather  # [rows, W]
         self.queries = joined.gather(2, idx[:, None, :, None].expand(rows, heads, w, d))
 
     def observe(self, query: torch.Tensor, keys: torch.Tensor, scaling: float, layer_idx: int) -> None:
@@ -151,7 +178,7 @@ class BudgetedLayer(CacheLayerMixin):
             self.stats = torch.nn.functional.pad(self.stats, (0, pad))
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.cache._write_plan.span, 0
+        return self.cache.plan(self.index).span, 0
 
     def get_seq_length(self) -> int:
         return int(self.cache.rows.lengths.max()) if len(self.cache.rows.lengths) else 0
@@ -178,8 +205,19 @@ class BudgetedCache(Cache):
     """The KV cache of one proposer batch. See the module docstring."""
 
     def __init__(self, evictor: Evictor, num_layers: int, rows: RowState, device: torch.device,
-                 capacity: Optional[int] = None) -> None:
+                 capacity: Optional[int] = None, kv_heads: Optional[int] = None) -> None:
         self.evictor = evictor
+        self.kv_heads = kv_heads
+        self.varies = evictor.bounded and evictor.varies(num_layers)
+        if self.varies:
+            if kv_heads is None:
+                raise ValueError("a cache whose allocation varies by layer or head needs kv_heads")
+            if evictor.observes_attention:
+                raise ValueError("evictors that observe attention (H2O) do not support varying allocations yet")
+            if getattr(evictor.params, "quantize", None):
+                raise ValueError("quantize does not support varying allocations yet")
+            self.budgets = evictor.allocation(num_layers)
+            rows = rows.with_allocation(num_layers, kv_heads)
         self.query_window = evictor.query_window
         self.observes = evictor.observes_attention
         if evictor.bounded and self.query_window > evictor.trigger:
@@ -195,8 +233,63 @@ class BudgetedCache(Cache):
             budget = evictor.params.budget
             self.quant_capacity = n_quantized(budget, self.quant)  # quantized slots per row
             self.fp_capacity = budget - self.quant_capacity + evictor.params.buffer + 1  # residual + buffer + scratch
-        super().__init__(layers=[BudgetedLayer(self) for _ in range(num_layers)])
+        super().__init__(layers=[BudgetedLayer(self, i) for i in range(num_layers)])
         self._write_plan: Optional[WritePlan] = None
+        self._layer_plans: Optional[list[WritePlan]] = None  # varying allocations: one plan per layer
+
+    def layer_capacity(self, layer_idx: int) -> int:
+        """Slots per (row, KV head) that layer `layer_idx` stores, the scratch slot included."""
+        if not self.varies:
+            return self.capacity
+        ev, budget = self.evictor, self.budgets[layer_idx]
+        widest = max(ev.params.budget, ev.head_capacity(budget, self.kv_heads))
+        return widest + ev.params.buffer + 1
+
+    def plan(self, layer_idx: int) -> WritePlan:
+        """The current forward's write plan for one layer."""
+        return self._layer_plans[layer_idx] if self._layer_plans is not None else self._write_plan
+
+    def attention_mask(self, layer_idx: int, q_heads: int) -> Optional[torch.Tensor]:
+        """The mask of one layer's attention: [rows, 1 or q_heads, T, span] bool, or None."""
+        mask = self.plan(layer_idx).mask
+        if mask is not None and mask.shape[1] not in (1, q_heads):  # per KV head -> per query head
+            mask = mask.repeat_interleave(q_heads // mask.shape[1], dim=1)
+        return mask
+
+    def head_lengths(self, layer_idx: int) -> torch.Tensor:
+        """[rows, kv_heads] int64 (host): tokens each head of the layer holds per row."""
+        lengths = self.rows.lengths
+        heads = self.kv_heads or (self.layers[layer_idx].keys.shape[1] if self.layers[layer_idx].is_initialized else 1)
+        if not self.varies:
+            return lengths[:, None].expand(-1, heads).clone()
+        r = self.rows
+        length = lengths + r.layer_offset[:, layer_idx]
+        return length[:, None] - (r.hole_end[:, layer_idx, None] - r.hole_start[:, layer_idx])
+
+    def resident(self, layer_idx: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each head's resident keys and values in time order, gathered contiguously:
+        ([R, kv_heads, N, D], [R, kv_heads, N, Dv], head lengths [R, kv_heads]); slots past a
+        head's length are padding. Quantized caches give the dequantized keys and values."""
+        layer = self.layers[layer_idx]
+        dev_rows = rows.to(self.device)
+        heads = self.head_lengths(layer_idx).index_select(0, rows)  # [R, H]
+        n = int(heads.max())
+        if self.quant:
+            view = self.view_index(self.rows.n_quantized.index_select(0, rows), n).to(self.device)
+            keys, values = layer.logical(view, dev_rows)
+            return keys, values, heads
+        if not self.varies:
+            return layer.keys.index_select(0, dev_rows)[:, :, :n], layer.values.index_select(0, dev_rows)[:, :, :n], heads
+        r = self.rows
+        start = r.hole_start[:, layer_idx].index_select(0, rows)  # [R, H]
+        gap = r.hole_end[:, layer_idx].index_select(0, rows)[:, None] - start  # [R, H]
+        j = torch.arange(n)[None, None, :]
+        idx = (j + (j >= start[..., None]) * gap[..., None]).clamp(max=self.layer_capacity(layer_idx) - 2)
+        idx = idx.to(self.device)[..., None]
+        keys = layer.keys.index_select(0, dev_rows)
+        values = layer.values.index_select(0, dev_rows)
+        return (keys.gather(2, idx.expand(-1, -1, -1, keys.shape[-1])),
+                values.gather(2, idx.expand(-1, -1, -1, values.shape[-1])), heads)
 
     # ------------------------------------------------------------------ rows
 
@@ -207,7 +300,8 @@ class BudgetedCache(Cache):
     def select(self, rows: torch.Tensor | Sequence[int]) -> "BudgetedCache":
         """A new cache holding copies of the given rows (fork a row N ways by repeating it)."""
         rows = torch.as_tensor(rows, dtype=torch.long)
-        out = BudgetedCache(self.evictor, len(self.layers), self.rows.select(rows), self.device, self.capacity)
+        out = BudgetedCache(self.evictor, len(self.layers), self.rows.select(rows), self.device, self.capacity,
+                            self.kv_heads)
         dev_rows = rows.to(self.device)
         for src, dst in zip(self.layers, out.layers):
             if src.is_initialized:
@@ -228,7 +322,7 @@ class BudgetedCache(Cache):
         first = caches[0]
         capacity = max(c.capacity for c in caches)
         out = BudgetedCache(first.evictor, len(first.layers), RowState.cat([c.rows for c in caches]),
-                            first.device, capacity)
+                            first.device, capacity, first.kv_heads)
         for i, layer in enumerate(out.layers):
             parts = [c.layers[i] for c in caches]
             ready = [p for p in parts if p.is_initialized]
@@ -292,6 +386,10 @@ class BudgetedCache(Cache):
                 raise RuntimeError("BudgetedCache: forward would exceed budget + buffer; chunk the input")
         elif int(new_lengths.max()) + 1 > self.capacity:
             self.capacity = (int(new_lengths.max()) // _GROW + 2) * _GROW
+        if self.varies:
+            self._layer_plans = [self._layer_plan(l, step_lens, width) for l in range(len(self.layers))]
+            self._write_plan = self._layer_plans[0]
+            return self._write_plan
         scratch = self.capacity - 1
         t = torch.arange(width)
         slots = torch.where(t[None, :] < step_lens[:, None], lengths[:, None] + t[None, :], scratch)
@@ -324,12 +422,35 @@ class BudgetedCache(Cache):
                                      fp_slots, view_index)
         return self._write_plan
 
+    def _layer_plan(self, layer_idx: int, step_lens: torch.Tensor, width: int) -> WritePlan:
+        """A varying allocation's plan for one layer: the layer's own lengths, and each head's
+        hole [k_h, K_l) masked (mask [rows, kv_heads, T, span] once any row has a hole)."""
+        r = self.rows
+        lengths = r.lengths + r.layer_offset[:, layer_idx]  # [rows]
+        scratch = self.layer_capacity(layer_idx) - 1
+        t = torch.arange(width)
+        slots = torch.where(t[None, :] < step_lens[:, None], lengths[:, None] + t[None, :], scratch)
+        span = int((lengths + step_lens).max())
+        key = torch.arange(span)
+        mask = key[None, None, :] <= (lengths[:, None, None] + t[None, :, None])  # [rows, T, span]
+        start, end = r.hole_start[:, layer_idx], r.hole_end[:, layer_idx]  # [rows, H], [rows]
+        if bool((end[:, None] > start).any()):
+            hole = (key[None, None, :] >= start[..., None]) & (key[None, None, :] < end[:, None, None])  # [rows, H, span]
+            mask = mask[:, None] & ~hole[:, :, None]  # [rows, H, T, span]
+        else:
+            mask = mask[:, None]
+        query_gather = None
+        if self.query_window:
+            query_gather = (step_lens[:, None] + torch.arange(self.query_window)[None, :]).to(self.device)
+        return WritePlan(slots.to(self.device), span, None, mask.to(self.device), query_gather)
+
     def end_forward(self, step_lens: torch.Tensor) -> None:
         self.rows.lengths = self.rows.lengths + step_lens
         self.rows.positions = self.rows.positions + step_lens
         if self.query_window:
             self.rows.n_queries = torch.clamp(self.rows.n_queries + step_lens, max=self.query_window)
         self._write_plan = None
+        self._layer_plans = None
         if self.evictor.bounded:
             due = (self.room() <= 0).nonzero().flatten()
             if len(due):
@@ -357,6 +478,12 @@ class BudgetedCache(Cache):
             torch.Generator().manual_seed((int(k) * 1_000_003 + int(c)) % 2**63)
             for k, c in zip(self.rows.rng_keys[rows], self.rows.compactions[rows])
         ]
+        if self.varies:
+            for layer_idx in range(len(self.layers)):
+                self._compact_varying(layer_idx, rows, generators)
+            self.rows.lengths[rows] = budget
+            self.rows.compactions[rows] += 1
+            return
         if self.quant:
             view_index = self.view_index(self.rows.n_quantized.index_select(0, rows), n).to(self.device)
         for layer_idx, layer in enumerate(self.layers):
@@ -392,6 +519,33 @@ class BudgetedCache(Cache):
         if self.quant:
             self.rows.n_quantized[rows] = self.quant_capacity
 
+    def _compact_varying(self, layer_idx: int, rows: torch.Tensor, generators) -> None:
+        """One layer of a varying allocation: each head's tokens gathered contiguously, the
+        evictor's kept slots (k_h per head) written to slots [0, k_h), the hole recorded."""
+        layer, r = self.layers[layer_idx], self.rows
+        keys, values, heads = self.resident(layer_idx, rows)  # [R, H, N, D], [R, H]
+        dev_rows = rows.to(self.device)
+        queries = layer.queries.index_select(0, dev_rows) if layer.queries is not None else None
+        extra = {"head_lengths": heads} if self.evictor.adaptive_heads else {}
+        keep = self.evictor.select(
+            keys, values, queries, layer_idx=layer_idx, lengths=heads.max(-1).values,
+            n_protected=r.n_protected.index_select(0, rows), generators=generators,
+            budget=self.budgets[layer_idx], **extra,
+        )  # [R, H, K]; adaptive: -1 past a head's k_h
+        keep = keep.to(self.device)
+        idx = keep.clamp(min=0)[..., None]
+        unused = (keep < 0)[..., None]
+        kept_keys = keys.gather(2, idx.expand(-1, -1, -1, keys.shape[-1])).masked_fill(unused, 0)
+        kept_values = values.gather(2, idx.expand(-1, -1, -1, values.shape[-1])).masked_fill(unused, 0)
+        width = keep.shape[-1]
+        layer.keys[dev_rows, :, :width] = kept_keys
+        layer.values[dev_rows, :, :width] = kept_values
+        counts = (keep >= 0).sum(-1).cpu()  # [R, H]
+        longest = counts.max(-1).values  # [R]
+        r.hole_start[rows, layer_idx] = counts
+        r.hole_end[rows, layer_idx] = longest
+        r.layer_offset[rows, layer_idx] = longest - self.evictor.params.budget
+
     def _quantize_oldest(self, row: int) -> None:
         """A row whose full-precision region is full but whose quantized store is not: move its
         oldest whole key groups (all but at least `residual` tokens) into the store."""
@@ -413,7 +567,9 @@ class BudgetedCache(Cache):
 def new_rows(n: int, rng_keys: Sequence[int] | None = None) -> RowState:
     zeros = torch.zeros(n, dtype=torch.long)
     keys = torch.as_tensor(list(rng_keys) if rng_keys is not None else [0] * n, dtype=torch.long)
-    return RowState(zeros.clone(), zeros.clone(), zeros.clone(), zeros.clone(), keys, zeros.clone(), zeros.clone())
+    return RowState(zeros.clone(), zeros.clone(), zeros.clone(), zeros.clone(), keys, zeros.clone(), zeros.clone(),
+                    torch.zeros(n, 0, dtype=torch.long), torch.zeros(n, 0, 0, dtype=torch.long),
+                    torch.zeros(n, 0, dtype=torch.long))
 
 
 class DecodeBatch(Cache):
@@ -461,7 +617,7 @@ class DecodeBatch(Cache):
                 layer.record_queries(q)
             if cache.observes:
                 layer.observe(q, keys, scaling, layer_idx)
-            out, _ = attention(module, q, keys, values, cache._write_plan.mask, **kwargs)  # [rows, 1, heads, D]
+            out, _ = attention(module, q, keys, values, cache.attention_mask(layer_idx, q.shape[1]), **kwargs)  # [rows, 1, heads, D]
             outs.append(out if full else out.index_select(0, live))
         return torch.cat(outs), None
 

@@ -82,7 +82,8 @@ class HFRunner:
     # ------------------------------------------------------------------ caches
 
     def new_cache(self, evictor: Evictor, n_rows: int, rng_keys: Optional[Sequence[int]] = None) -> BudgetedCache:
-        return BudgetedCache(evictor, self.num_layers, new_rows(n_rows, rng_keys), self.device)
+        return BudgetedCache(evictor, self.num_layers, new_rows(n_rows, rng_keys), self.device,
+                             kv_heads=self.kv_shape()[1])
 
     def prefill(self, cache: BudgetedCache, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         """Ingest each prompt but its last token, which stays pending: [rows] int64.

@@ -1,0 +1,142 @@
+"""Budgets that vary by layer and by head: the allocation mixins of kvflow evictors.
+
+An evictor's `score()` says which tokens matter; its allocation says how many each
+(layer, KV head) keeps. kvflow's default keeps `budget` everywhere. Two published
+allocations are mixins here, combined with any scoring evictor by subclassing
+(`class MyAdaEvictor(AdaptiveHeads, MyEvictor)`, Params likewise):
+
+- `PyramidLayers` (PyramidKV, Cai et al. 2024, arXiv 2406.02069, "PyramidKV: Dynamic KV
+  Cache Compression based on Pyramidal Information Funneling"): lower layers keep more,
+  higher layers fewer, in an arithmetic sequence, the same total (`pyramid_budgets`).
+- `AdaptiveHeads` (Ada-KV, Feng et al. 2024, arXiv 2407.11550, "Ada-KV: Optimizing KV Cache
+  Eviction by Adaptive Budget Allocation for Efficient LLM Inference"): one budget per layer,
+  `kv_heads x budget` tokens, spent across its heads by one ranking of their scores, so a
+  head whose attention is concentrated keeps fewer tokens and a diffuse one more; a
+  safeguard floor keeps at least `safeguard x budget` per head (`adaptive_keep`). The
+  scores must be comparable across heads: attention probabilities are (each head's sum to
+  one), as with snapkv, rkv, h2o, tova.
+
+The base class `Evictor.select()` still forces the window and the protected prompt per head
+and keeps time order; the cache keeps per-(row, layer, head) lengths and masks attention to
+each head's own slots (`kvflow.backends.hf.cache`, `kvflow.backends.sglang.evict`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from pydantic import Field
+
+from kvflow._lazy import torch
+from kvflow.components.base import EvictorParams
+
+
+def pyramid_budgets(budget: int, window: int, num_layers: int, beta: float, held: int) -> list[int]:
+    """PyramidKV's per-layer budgets, summing to exactly `budget x num_layers`.
+
+    With B = budget and W = window (both counted as in kvflow: B includes W), the paper's
+    code gives layer l (0 = the first) W + max - l (max - min) / (L - 1) with
+    min = (B - W) / beta and max = 2 (B - W) - min: a linear decrease whose mean is B. When
+    max exceeds what a layer holds at a compaction (`held - W`), max becomes that and min
+    rises to keep the mean (the reference's rule for short prompts). Rounding: floors, then
+    the remainder one token each to the largest fractional parts (ties: lower layers).
+    """
+    if num_layers == 1:
+        return [budget]
+    spare = budget - window
+    low = spare / beta
+    high = 2 * spare - low
+    if high > held - window:
+        high = held - window
+        low = 2 * spare - high
+    step = (high - low) / (num_layers - 1)
+    real = [window + high - l * step for l in range(num_layers)]
+    out = [math.floor(x + 1e-9) for x in real]
+    rest = budget * num_layers - sum(out)
+    by_fraction = sorted(range(num_layers), key=lambda l: (-(real[l] - out[l]), l))
+    for l in by_fraction[:rest]:
+        out[l] += 1
+    return out
+
+
+def adaptive_keep(scores: "torch.Tensor", total: int, capacity: int, floor: int) -> "torch.Tensor":
+    """Ada-KV's selection over the heads of one layer.
+
+    scores:   [rows, kv_heads, N] float32, +inf on forced slots (window, protected prompt),
+              -inf on padding (each head's own slots >= its length)
+    total:    tokens the layer keeps per row over all its heads (kv_heads x layer budget)
+    capacity: most tokens one head may keep (the cache's width per head)
+    floor:    tokens every head keeps at least (Ada-KV's safeguard), besides its forced ones
+    returns:  [rows, kv_heads, capacity] int64: head h's k_h kept slots ascending, then -1;
+              sum_h k_h = total for every row.
+
+    Each head first keeps its own top max(floor, forced) slots; the rest of `total` goes to
+    the highest remaining scores of the whole layer (one ranking over all heads; equal
+    scores: the lower head, then the earlier slot), a head never past `capacity`.
+    """
+    rows, heads, n = scores.shape
+    order = scores.sort(dim=-1, descending=True, stable=True)  # per head, best first
+    ranked, slots = order.values, order.indices  # [rows, heads, N]
+    rank = torch.arange(n, device=scores.device)[None, None, :]
+    valid = (ranked > float("-inf")).sum(-1, keepdim=True)  # [rows, heads, 1] each head's length
+    forced = (ranked == float("inf")).sum(-1, keepdim=True)
+    reserved = torch.minimum(torch.clamp(forced, min=floor), torch.clamp(valid, max=capacity))  # [rows, heads, 1]
+    open_ = (rank >= reserved) & (rank < torch.clamp(valid, max=capacity))  # may still be kept
+    rest = total - reserved.sum(dim=(1, 2))  # [rows]
+    pool = ranked.masked_fill(~open_, float("-inf")).reshape(rows, heads * n)
+    pool_rank = torch.empty_like(pool, dtype=torch.long)
+    pool_rank.scatter_(1, pool.sort(dim=-1, descending=True, stable=True).indices,
+                       torch.arange(heads * n, device=scores.device).expand(rows, -1))
+    taken = (pool_rank < rest[:, None]).reshape(rows, heads, n) & open_
+    keep_mask = (rank < reserved) | taken  # a prefix of each head's ranking
+    kept = slots.masked_fill(~keep_mask, n).sort(dim=-1).values[..., :capacity]  # ascending, n past the kept
+    kept = kept.masked_fill(kept >= n, -1)
+    if kept.shape[-1] < capacity:  # fewer slots than a head may keep: pad to the cache's width
+        kept = torch.nn.functional.pad(kept, (0, capacity - kept.shape[-1]), value=-1)
+    return kept
+
+
+def kept_counts(keep: "torch.Tensor") -> "torch.Tensor":
+    """[rows, kv_heads] kept tokens per head of a `select()` result (-1 pads adaptive rows)."""
+    return (keep >= 0).sum(-1)
+
+
+# --------------------------------------------------------------------------- mixins
+
+
+class PyramidParams(EvictorParams):
+    beta: float = Field(20.0, ge=1.0, description="PyramidKV's β: the top layer keeps (budget - window) / β "
+                                                  "besides the window, the first layer about twice the mean.")
+
+
+class PyramidLayers:
+    """Mixin: PyramidKV's per-layer budgets (see `pyramid_budgets`). Put it before the scoring
+    evictor: `class PyramidSnapKV(PyramidLayers, SnapKVEvictor)`."""
+
+    def layer_budgets(self, num_layers: int) -> list[int]:
+        p = self.params
+        return pyramid_budgets(p.budget, p.window, num_layers, p.beta, self.trigger)
+
+
+class AdaptiveParams(EvictorParams):
+    safeguard: float = Field(0.2, ge=0.0, le=1.0, description="Ada-KV's safeguard α: every head keeps at least "
+                                                              "α × the layer budget (0.2 in the paper's code).")
+    head_cap: Optional[float] = Field(
+        None, ge=1.0, description="Most tokens one head may keep, in multiples of the layer budget (the cache "
+        "stores this many per head). null: as many as the safeguard leaves, kv_heads - (kv_heads - 1) α.")
+
+
+class AdaptiveHeads:
+    """Mixin: Ada-KV's head-adaptive allocation (see `adaptive_keep`). Put it before the
+    scoring evictor: `class AdaSnapKV(AdaptiveHeads, SnapKVEvictor)`."""
+
+    adaptive_heads = True
+
+    def head_floor(self, layer_budget: int) -> int:
+        return int(self.params.safeguard * layer_budget)
+
+    def head_capacity(self, layer_budget: int, kv_heads: int) -> int:
+        most = kv_heads * layer_budget - (kv_heads - 1) * self.head_floor(layer_budget)
+        cap = self.params.head_cap
+        return most if cap is None else max(layer_budget, min(most, math.floor(cap * layer_budget)))
