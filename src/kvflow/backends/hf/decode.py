@@ -168,12 +168,15 @@ class HFEngine:
         return out
 
     def kept_kv(self, state: HFState):
-        """What an evicted state keeps: (keys, values [layers, kv_heads, resident, D], compactions)
-        (inspection and the engine parity tests; not for quantized states)."""
+        """What an evicted state keeps: (keys, values, compactions) with keys[layer][head] the
+        head's resident keys in time order, [n, D] (n may differ by layer and head under a
+        varying allocation; inspection and the engine parity tests)."""
         cache = state.cache
-        n = int(cache.rows.lengths[0])
-        keys = torch.stack([layer.keys[0, :, :n] for layer in cache.layers])
-        values = torch.stack([layer.values[0, :, :n] for layer in cache.layers])
+        keys, values = [], []
+        for i in range(len(cache.layers)):
+            k, v, heads = cache.resident(i, torch.tensor([0]))
+            keys.append([k[0, h, :n] for h, n in enumerate(heads[0].tolist())])
+            values.append([v[0, h, :n] for h, n in enumerate(heads[0].tolist())])
         return keys, values, int(cache.rows.compactions[0])
 
     def release(self, states: Sequence[HFState], proposals: Sequence[Proposal] = ()) -> None:

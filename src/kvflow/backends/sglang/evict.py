@@ -16,6 +16,15 @@ resident token of that head, in time order, exactly the layout of the `hf` cache
 gathers each (layer, head)'s kept tokens into the first `budget` slots and gives the rest
 back to SGLang's allocator: the request never holds more than `budget + buffer` slots.
 
+Varying allocations (PyramidKV's layer budgets, Ada-KV's head allocation) keep this layout
+with one row for every layer: after a compaction (layer l, head h) holds its k_lh kept tokens
+in slots [0, k_lh) and the row's new tokens start at K = max over layers and heads of k_lh,
+so slots [k_lh, K) are a hole of that head. The attention hook recomputes those rows'
+attention with each head's hole masked out (SGLang's own kernel sees every slot of the row),
+and the evictor sees each head's tokens gathered contiguously, as on `hf`. A request's input
+ids stand in for its resident tokens and kvflow's client counts the nominal length (budget +
+tokens since the last compaction), so `begin` pads the stand-in prefix to the row's length.
+
 Positions. SGLang derives positions from the row length; an evicted request's RoPE position
 is its logical one, so `ForwardBatch.init_new` adds each request's offset (logical - resident).
 
@@ -40,6 +49,7 @@ from __future__ import annotations
 
 import importlib
 import json
+from array import array
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -68,6 +78,8 @@ class Snapshot:
     compactions: int
     rng_key: int
     n_protected: int
+    holes: Optional[torch.Tensor] = None  # [layers, kv_heads] int64 k_lh, varying allocations (None: no holes)
+    base: int = 0  # row length after the last compaction minus the budget (varying allocations)
 
     @property
     def length(self) -> int:
@@ -90,6 +102,16 @@ class Live:
     pending: int = 0  # tokens the current forward appends (set in init_new)
     dump: Optional[str] = None  # a directory to save the snapshot in (torch.save), if asked
     source: Optional[Snapshot] = None  # the snapshot still to be put into the request's slots
+    holes: Optional[torch.Tensor] = None  # [layers, kv_heads] int64: head h of layer l holds slots [0, k) and [K, row)
+    base: int = 0  # K - budget: the row length minus the nominal length (varying allocations)
+
+    @property
+    def nominal(self) -> int:
+        """The budget plus the tokens since the last compaction (what the trigger counts)."""
+        return self.resident - self.base
+
+    def has_holes(self) -> bool:
+        return self.holes is not None and bool((self.holes < self.base + self.evictor.params.budget).any())
 
 
 class Runtime:
@@ -138,6 +160,8 @@ class Runtime:
                         snap.compactions if snap else 0, n, logical - n, spec.get("save_as"))
             live.dump = spec.get("dump")
             live.source = snap
+            if snap is not None:
+                live.holes, live.base = snap.holes, snap.base
             self.live[req.rid] = live
             req.skip_radix_cache_insert = True  # the row's slots do not hold the tokens the tree would key
         self.restore(req, tree_cache, live)
@@ -206,6 +230,37 @@ class Runtime:
             forward_batch.positions = forward_batch.positions + offsets.to(forward_batch.positions.device)
         self.rows = rows
 
+    def masked_attention(self, q, out, layer) -> None:
+        """Rows with holes (varying allocations): their attention again, each head over its
+        own slots only, written over SGLang's output. q: [tokens, q_heads * D];
+        out: [tokens, q_heads * Dv]."""
+        lid = layer.layer_id
+        head_dim = layer.qk_head_dim if hasattr(layer, "qk_head_dim") else layer.head_dim
+        q = q.reshape(q.shape[0], -1, head_dim)  # [tokens, q_heads, D]
+        flat = out.view(out.shape[0], -1)
+        req_to_token = self.req_to_token_pool.req_to_token
+        for _, start, count, live, pool_idx in self.rows:
+            if not live.has_holes():
+                continue
+            span = live.resident + count
+            slots = req_to_token[pool_idx, :span].long()
+            keys = self.kv.get_key_buffer(lid)[slots].transpose(0, 1)  # [kv_heads, span, D]
+            values = self.kv.get_value_buffer(lid)[slots].transpose(0, 1)
+            kv_heads, q_heads = keys.shape[0], q.shape[1]
+            key = torch.arange(span, device=keys.device)
+            t = torch.arange(count, device=keys.device)
+            causal = key[None, :] <= (live.resident + t)[:, None]  # [T, span]
+            end = live.base + live.evictor.params.budget
+            start_h = live.holes[lid].to(keys.device)[:, None]  # [H, 1]
+            hole = (key[None, :] >= start_h) & (key[None, :] < end)  # [H, span]
+            mask = (causal[None] & ~hole[:, None]).repeat_interleave(q_heads // kv_heads, dim=0)  # [Hq, T, span]
+            g = q_heads // kv_heads
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q[start : start + count].transpose(0, 1)[None].to(keys.dtype),
+                keys.repeat_interleave(g, dim=0)[None], values.repeat_interleave(g, dim=0)[None],
+                attn_mask=mask[None], scale=layer.scaling)  # [1, Hq, T, Dv]
+            flat[start : start + count] = o[0].transpose(0, 1).reshape(count, -1).to(flat.dtype)
+
     def attended(self, q, layer, forward_batch) -> None:
         """After a layer's attention wrote its keys: the query window and H2O's statistic."""
         rows = self.rows
@@ -251,34 +306,36 @@ class Runtime:
             live.resident += live.pending
             live.pending = 0
             self.peak_slots = max(self.peak_slots, live.resident)
-            if req.finished() or live.resident < live.evictor.trigger:
+            if req.finished() or live.nominal < live.evictor.trigger:
                 continue
             self._compact_row(processor, batch, i, req, live)
 
     def _compact_row(self, processor, batch, i: int, req, live: Live) -> None:
         pool = processor.req_to_token_pool
         kv = processor.token_to_kv_pool_allocator.get_kvcache()
-        n, budget = live.resident, live.evictor.params.budget
+        n = live.resident
         slots = pool.req_to_token[req.kv.req_pool_idx, :n].long()
         keys, values = self._read(kv, slots)
-        keys, values, stats = self._compacted(live, keys, values)
+        keys, values, stats, holes = self._compacted(live, keys, values)
+        kept = keys.shape[2]  # the budget, or the longest (layer, head) of a varying allocation
         for layer in range(keys.shape[0]):
-            kv.k_buffer[layer][slots[:budget]] = keys[layer].transpose(0, 1)
-            kv.v_buffer[layer][slots[:budget]] = values[layer].transpose(0, 1)
-        processor.tree_cache.free_kv_row(req.kv, [(budget, n)])
-        req.kv.kv_committed_len = req.kv.kv_allocated_len = budget
-        batch.seq_lens[i] = budget
-        batch.seq_lens_cpu[i] = budget
+            kv.k_buffer[layer][slots[:kept]] = keys[layer].transpose(0, 1)
+            kv.v_buffer[layer][slots[:kept]] = values[layer].transpose(0, 1)
+        processor.tree_cache.free_kv_row(req.kv, [(kept, n)])
+        req.kv.kv_committed_len = req.kv.kv_allocated_len = kept
+        batch.seq_lens[i] = kept
+        batch.seq_lens_cpu[i] = kept
         if getattr(batch, "orig_seq_lens", None) is not None:
-            batch.orig_seq_lens[i] = budget
+            batch.orig_seq_lens[i] = kept
         batch.seq_lens_sum = None
-        live.offset += n - budget
-        live.resident = budget
+        live.offset += n - kept
+        live.resident = kept
+        live.holes, live.base = holes, kept - live.evictor.params.budget
         live.compactions += 1
         self.compactions += 1
         if stats is not None:
             cap = live.evictor.trigger + 1
-            live.stats = [torch.nn.functional.pad(s, (0, cap - budget)) for s in stats]
+            live.stats = [torch.nn.functional.pad(s, (0, cap - kept)) for s in stats]
 
     @staticmethod
     def _read(kv, slots: torch.Tensor):
@@ -288,24 +345,59 @@ class Runtime:
 
     def _compacted(self, live: Live, keys: torch.Tensor, values: torch.Tensor):
         """The evictor's kept tokens per (layer, head), exactly as the `hf` cache keeps them.
-        keys, values: [layers, kv_heads, n, D] -> [layers, kv_heads, budget, D]."""
+        keys, values: [layers, kv_heads, n, D] (the row's slots) -> kept [layers, kv_heads, K, D]
+        (K = budget; varying allocations: the longest (layer, head), zeros past each head's
+        own), the H2O statistic, and the holes ([layers, kv_heads] kept counts, or None)."""
         ev = live.evictor
         n = keys.shape[2]
+        layers = keys.shape[0]
+        varies = ev.varies(layers)
+        budgets = ev.allocation(layers) if varies else None
         gen = torch.Generator().manual_seed((live.rng_key * 1_000_003 + live.compactions) % 2**63)
-        lengths = torch.tensor([n])
         protected = torch.tensor([live.n_protected])
-        kept_k, kept_v, kept_s = [], [], []
-        for layer in range(keys.shape[0]):
+        kept_k, kept_v, kept_s, counts = [], [], [], []
+        for layer in range(layers):
             queries = live.queries[layer][None] if live.queries is not None else None
             stats = live.stats[layer][None, :, :n] if live.stats is not None else None
-            keep = ev.select(keys[layer][None], values[layer][None], queries, layer_idx=layer, lengths=lengths,
-                             n_protected=protected, generators=[gen], stats=stats)[0]  # [kv_heads, budget]
-            idx = keep.to(keys.device)
-            kept_k.append(keys[layer].gather(1, idx[..., None].expand(-1, -1, keys.shape[-1])))
-            kept_v.append(values[layer].gather(1, idx[..., None].expand(-1, -1, values.shape[-1])))
+            k, v, heads = self._head_view(live, keys[layer], values[layer], layer)  # [H, N, D], [H]
+            extra = {"budget": budgets[layer]} if varies else {}
+            if ev.adaptive_heads:
+                extra["head_lengths"] = heads[None]
+            keep = ev.select(k[None], v[None], queries, layer_idx=layer, lengths=heads.max()[None],
+                             n_protected=protected, generators=[gen], stats=stats, **extra)[0]  # [kv_heads, K]
+            idx = keep.clamp(min=0).to(keys.device)[..., None]
+            unused = (keep < 0).to(keys.device)[..., None]
+            kept_k.append(k.gather(1, idx.expand(-1, -1, k.shape[-1])).masked_fill(unused, 0))
+            kept_v.append(v.gather(1, idx.expand(-1, -1, v.shape[-1])).masked_fill(unused, 0))
+            counts.append((keep >= 0).sum(-1))
             if stats is not None:
-                kept_s.append(stats[0].gather(1, idx))
-        return torch.stack(kept_k), torch.stack(kept_v), (kept_s or None)  # the query window stays as it is
+                kept_s.append(stats[0].gather(1, keep.to(keys.device)))
+        if not varies:
+            return torch.stack(kept_k), torch.stack(kept_v), (kept_s or None), None
+        holes = torch.stack(counts).cpu()  # [layers, kv_heads]
+        width = int(holes.max())
+
+        def fit(x):  # [H, K_l, D] -> [H, width, D]: zeros past the layer's own width
+            x = x[:, :width]
+            return torch.nn.functional.pad(x, (0, 0, 0, width - x.shape[1]))
+
+        return (torch.stack([fit(x) for x in kept_k]), torch.stack([fit(x) for x in kept_v]), None,
+                holes)  # the query window stays as it is
+
+    @staticmethod
+    def _head_view(live: Live, keys: torch.Tensor, values: torch.Tensor, layer: int):
+        """One layer's row gathered per head in time order, skipping the head's hole:
+        keys, values [kv_heads, n, D] -> ([kv_heads, N, D], [kv_heads, N, Dv], lengths [kv_heads])."""
+        heads, n = keys.shape[0], keys.shape[1]
+        if live.holes is None:
+            return keys, values, torch.full((heads,), n)
+        start = live.holes[layer]  # [H]
+        gap = live.base + live.evictor.params.budget - start  # [H]: hole sizes
+        lengths = n - gap
+        j = torch.arange(int(lengths.max()))[None, :]
+        idx = (j + (j >= start[:, None]) * gap[:, None]).clamp(max=n - 1).to(keys.device)[..., None]
+        return (keys.gather(1, idx.expand(-1, -1, keys.shape[-1])),
+                values.gather(1, idx.expand(-1, -1, values.shape[-1])), lengths)
 
     # ------------------------------------------------------------------ end of a request
 
@@ -326,17 +418,19 @@ class Runtime:
         slots = tree_cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n].long()
         keys, values = self._read(kv, slots)
         stats = [s[:n] for s in live.stats] if live.stats is not None else None
-        offset, compactions = live.offset, live.compactions
-        if n >= live.evictor.trigger:  # it ended on the token that made it due: compact the copy
-            keys, values, stats = self._compacted(live, keys, values)
-            offset += n - live.evictor.params.budget
-            n = live.evictor.params.budget
+        offset, compactions, holes, base = live.offset, live.compactions, live.holes, live.base
+        if n - base >= live.evictor.trigger:  # it ended on the token that made it due: compact the copy
+            keys, values, stats, holes = self._compacted(live, keys, values)
+            offset += n - keys.shape[2]
+            n = keys.shape[2]
+            base = n - live.evictor.params.budget
             compactions += 1
         snap = self.snapshots[live.save_as] = Snapshot(
             keys.clone(), values.clone(),
             torch.stack(live.queries) if live.queries else None,
             torch.stack(stats) if stats else None,
-            logical=n + offset, compactions=compactions, rng_key=live.rng_key, n_protected=live.n_protected)
+            logical=n + offset, compactions=compactions, rng_key=live.rng_key, n_protected=live.n_protected,
+            holes=holes, base=base)
         if live.dump:  # for inspection and tests: what the state keeps, per (layer, KV head)
             torch.save(vars(snap), os.path.join(live.dump, f"{live.save_as}.pt"))
 
@@ -358,11 +452,21 @@ def _spec(req) -> Optional[dict]:
 
 
 def _init_round(original, req, tree_cache=None, *args, **kwargs):
-    if _spec(req) is None:
+    spec = _spec(req)
+    if spec is None:
         return original(req, tree_cache, *args, **kwargs)
     # an evicted request never matches the radix tree: a key of its own misses (its input ids
     # stand in for evicted tokens; the slots hold other tokens per head)
     req.extra_key = "kvflow-evict:" + req.rid
+    snap = RUNTIME.snapshots.get(spec.get("from") or "")
+    if snap is not None and snap.base and not getattr(req, "_kvflow_padded", False):
+        # the client counts the nominal length; the row holds `base` more slots (the holes)
+        ids = req.origin_input_ids
+        req.origin_input_ids = type(ids)("q", [ids[0]] * snap.base) + ids if isinstance(ids, array) \
+            else [ids[0]] * snap.base + list(ids)
+        if req.logprob_start_len > 0:  # counted from the start of the (now longer) input
+            req.logprob_start_len += snap.base
+        req._kvflow_padded = True
     out = original(req, tree_cache, *args, **kwargs)
     RUNTIME.begin(req, tree_cache)
     return out
@@ -380,6 +484,7 @@ def _attention(original, backend, q, k, v, layer, forward_batch, *args, **kwargs
     out = original(backend, q, k, v, layer, forward_batch, *args, **kwargs)
     if RUNTIME.rows:
         RUNTIME.attended(q, layer, forward_batch)
+        RUNTIME.masked_attention(q, out, layer)
     return out
 
 
@@ -399,7 +504,7 @@ def _room(req, live: Live, admitting: bool) -> int:
     """Tokens an evicted request may still add before its next compaction frees the rest: all
     SGLang's admission control needs to reserve for it (its row never exceeds `budget +
     buffer`), where it would reserve the step cap."""
-    size = live.resident + (len(req.full_untruncated_fill_ids) - req.prefix_len if admitting else 0)
+    size = live.nominal + (len(req.full_untruncated_fill_ids) - req.prefix_len if admitting else 0)
     return max(1, live.evictor.trigger - size)
 
 

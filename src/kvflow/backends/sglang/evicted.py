@@ -131,15 +131,25 @@ class EvictedStates:
         return self._ended.pop(rid)
 
     def kept_kv(self, state: EvictedState):
-        """What an evicted state keeps: (keys, values [layers, kv_heads, resident, D],
-        compactions), from the snapshot the scheduler saved under `dump_dir` (set it before
-        the state is made; inspection and the engine parity tests)."""
+        """What an evicted state keeps: (keys, values, compactions) with keys[layer][head] the
+        head's resident keys in time order, [n, D] (as `HFEngine.kept_kv`), from the snapshot
+        the scheduler saved under `dump_dir` (set it before the state is made; inspection and
+        the engine parity tests)."""
         import torch
 
         if not self.dump_dir or not state.snap:
             raise EngineError("kept_kv needs `dump_dir` set before the state was made")
         snap = torch.load(os.path.join(self.dump_dir, f"{state.snap}.pt"))
-        return snap["keys"], snap["values"], snap["compactions"]
+        keys, values, holes = snap["keys"], snap["values"], snap.get("holes")
+        end = snap.get("base", 0) + state.evictor.params.budget  # where each head's hole ends
+
+        def head(t, layer, h):  # [layers, kv_heads, n, D] -> the head's tokens, hole skipped
+            x = t[layer, h]
+            return x if holes is None else torch.cat([x[: int(holes[layer, h])], x[end:]])
+
+        return ([[head(keys, l, h) for h in range(keys.shape[1])] for l in range(keys.shape[0])],
+                [[head(values, l, h) for h in range(values.shape[1])] for l in range(values.shape[0])],
+                snap["compactions"])
 
 
 def _resident_after(resident: int, n: int, evictor) -> int:
