@@ -149,6 +149,16 @@ def model_shape(model_cfg: Any) -> tuple[Optional["ModelShape"], str]:
     return shape, shape.source
 
 
+def _varies(evictor: "ComponentSpec") -> bool:
+    """Whether an evictor's allocation may vary by layer or head (a guess without the model's
+    layer count: adaptive heads, or layer budgets overridden)."""
+    from kvflow.components.base import Evictor
+
+    cls = evictor.cls
+    return bool(getattr(cls, "bounded", True) and issubclass(cls, Evictor) and (
+        getattr(cls, "adaptive_heads", False) or cls.layer_budgets is not Evictor.layer_budgets))
+
+
 def kv_tokens(evictor: "ComponentSpec", max_tokens: int) -> tuple[int, str]:
     """Peak cached tokens of one sequence under `evictor`, and how that was counted."""
     p = evictor.params
@@ -159,9 +169,11 @@ def kv_tokens(evictor: "ComponentSpec", max_tokens: int) -> tuple[int, str]:
     return full, f"full cache: limits.max_tokens {max_tokens} + typical prompt {TYPICAL_PROMPT_TOKENS}"
 
 
-def _budget_lines(pname: str, params: Any, shape: Optional["ModelShape"], note: str, dtype: str, n: int) -> list[str]:
-    """Memory of an evictor given in bytes and/or with a quantized cache: the token budget
-    the bytes buy, how the kept tokens split, and the bytes actually allocated."""
+def _budget_lines(pname: str, cls: type, params: Any, shape: Optional["ModelShape"], note: str, dtype: str,
+                  n: int) -> list[str]:
+    """Memory of an evictor given in bytes, with a quantized cache or with an allocation that
+    varies by layer or head: the token budget the bytes buy, how the kept tokens split, the
+    per-layer budgets, and the bytes actually allocated."""
     from kvflow.kv_memory import budget_for_bytes, layout
 
     if shape is None:
@@ -176,14 +188,25 @@ def _budget_lines(pname: str, params: Any, shape: Optional["ModelShape"], note: 
         except ValueError as e:
             return [f"  {pname}: budget_bytes {params.budget_bytes}: {e}"]
         source = f"budget_bytes {params.budget_bytes} -> budget {budget} tokens"
-    lay = layout(params, *dims, budget=budget)
+    evictor = cls(params.with_budget(budget) if params.budget_bytes is not None else params)
+    varies = evictor.varies(shape.n_layers)
+    widths = evictor.layer_widths(shape.n_layers, shape.n_kv_heads) if varies else None
+    lay = layout(params, *dims, budget=budget, widths=widths)
     q = params.quantize
     split = (f"{lay.n_quantized} quantized at {q.bits} bits (groups of {q.group_size}) + {lay.residual} full precision"
              if q else "all full precision")
-    return [
-        f"  {pname}: {source}; kept {split} = {_human_bytes(lay.kept_bytes)} per sequence after a compaction",
-        f"      allocated {_human_bytes(lay.peak_bytes)} per sequence (+ buffer {lay.buffer} full-precision tokens and "
-        f"a scratch slot), {_human_bytes(lay.peak_bytes * n)} for n={n}",
+    lines = [f"  {pname}: {source}; kept {split} = {_human_bytes(lay.kept_bytes)} per sequence after a compaction"]
+    if varies:
+        budgets = evictor.allocation(shape.n_layers)
+        heads = ("; heads share each layer's kv_heads x budget (up to "
+                 f"{max(w - params.buffer for w in widths)} per head)" if evictor.adaptive_heads else "")
+        lines.append(f"      per-layer budgets {budgets[0]} .. {budgets[-1]} (first .. last layer, mean {budget}){heads}")
+        lines.append(f"      allocated {_human_bytes(lay.peak_bytes)} per sequence (each layer at its widest, + buffer "
+                     f"{lay.buffer} and a scratch slot), {_human_bytes(lay.peak_bytes * n)} for n={n}")
+    else:
+        lines.append(f"      allocated {_human_bytes(lay.peak_bytes)} per sequence (+ buffer {lay.buffer} full-precision "
+                     f"tokens and a scratch slot), {_human_bytes(lay.peak_bytes * n)} for n={n}")
+    return lines + [
         f"      {shape.n_layers} layers x {shape.n_kv_heads} KV heads x head_dim {shape.head_dim}, "
         f"{elem} bytes/element; shape from {note}",
     ]
@@ -308,8 +331,9 @@ def explain_lines(loaded: "LoadedPipeline", registry: Optional["Registry"] = Non
             shapes[prop.model] = model_shape(m)
         shape, note = shapes[prop.model]
         evictor = comps.proposers[pname].evictor
-        if getattr(evictor.params, "budget_bytes", None) is not None or getattr(evictor.params, "quantize", None):
-            out.extend(_budget_lines(pname, evictor.params, shape, note, m.dtype, prop.n))
+        special = getattr(evictor.params, "budget_bytes", None) is not None or getattr(evictor.params, "quantize", None)
+        if special or _varies(evictor):
+            out.extend(_budget_lines(pname, evictor.cls, evictor.params, shape, note, m.dtype, prop.n))
             continue
         tokens, how = kv_tokens(evictor, lim.max_tokens)
         if shape is None:

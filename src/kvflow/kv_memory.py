@@ -15,12 +15,16 @@ full-precision residual:
 with s the bytes of the cache dtype (scales and zero points are stored in it). The peak adds
 `buffer` full-precision tokens (appended between compactions) and one scratch slot that
 padded batch writes land in.
+
+Varying allocations (PyramidKV, Ada-KV; `Evictor.layer_widths`) keep the same total after a
+compaction (layer budgets sum to budget x layers, a layer's heads to kv_heads x its budget),
+but the dense cache stores each layer at its widest: `widths[l] + 1` slots per KV head.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "auto": 2}
 
@@ -62,8 +66,10 @@ def quantized_token_bytes(head_dim: int, elem: int, quantize: Any) -> float:
 
 
 def layout(params: Any, n_layers: int, n_kv_heads: int, head_dim: int, elem: int,
-           budget: Optional[int] = None) -> KVLayout:
-    """The layout of an evictor's params (`budget` overrides params.budget)."""
+           budget: Optional[int] = None, widths: Optional[Sequence[int]] = None) -> KVLayout:
+    """The layout of an evictor's params (`budget` overrides params.budget; `widths`: slots
+    per KV head each layer stores between compactions, `Evictor.layer_widths`, for an
+    allocation that varies; unquantized)."""
     budget = params.budget if budget is None else budget
     q = getattr(params, "quantize", None)
     nq = n_quantized(budget, q)
@@ -72,6 +78,8 @@ def layout(params: Any, n_layers: int, n_kv_heads: int, head_dim: int, elem: int
     quant = quantized_token_bytes(head_dim, elem, q) if q is not None else 0
     kept = heads * (nq * quant + (budget - nq) * fp)
     peak = kept + heads * (params.buffer + 1) * fp
+    if widths is not None:
+        peak = sum(n_kv_heads * (w + 1) * fp for w in widths)
     return KVLayout(budget, nq, params.buffer, int(round(kept)), int(round(peak)))
 
 

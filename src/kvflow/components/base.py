@@ -239,6 +239,16 @@ class Evictor:
                                  f"({p.window}) and at most budget + buffer ({self.trigger})")
         return budgets
 
+    def layer_widths(self, num_layers: int, kv_heads: int) -> list[int]:
+        """Slots per (sequence, KV head) each layer's cache stores between compactions: the
+        longest head it may keep (never below `budget`, which every layer holds before its
+        first compaction) + `buffer`. The hf cache allocates this plus a scratch slot, and
+        `kvflow.kv_memory` counts it."""
+        p = self.params
+        if not self.varies(num_layers):
+            return [p.budget + p.buffer] * num_layers
+        return [max(p.budget, self.head_capacity(b, kv_heads)) + p.buffer for b in self.allocation(num_layers)]
+
     def varies(self, num_layers: int) -> bool:
         """True when kept counts differ across layers or heads (the cache then tracks them)."""
         return self.adaptive_heads or len(set(self.allocation(num_layers))) > 1

@@ -164,7 +164,8 @@ def kv_memory(plan) -> dict:
         entry = {"bytes_per_token": layers * heads * full_token_bytes(dim, elem), "budget": None, "n_quantized": 0,
                  "bits": None, "kept_bytes": None, "peak_bytes": None}
         if p.evictor.bounded:
-            lay = layout(p.evictor.params, layers, heads, dim, elem)
+            widths = p.evictor.layer_widths(layers, heads) if p.evictor.varies(layers) else None
+            lay = layout(p.evictor.params, layers, heads, dim, elem, widths=widths)
             q = getattr(p.evictor.params, "quantize", None)
             entry.update(budget=lay.budget, n_quantized=lay.n_quantized, bits=q.bits if q else None,
                          kept_bytes=lay.kept_bytes, peak_bytes=lay.peak_bytes)

@@ -217,6 +217,7 @@ class BudgetedCache(Cache):
             if getattr(evictor.params, "quantize", None):
                 raise ValueError("quantize does not support varying allocations yet")
             self.budgets = evictor.allocation(num_layers)
+            self.widths = evictor.layer_widths(num_layers, kv_heads)
             rows = rows.with_allocation(num_layers, kv_heads)
         self.query_window = evictor.query_window
         self.observes = evictor.observes_attention
@@ -241,9 +242,7 @@ class BudgetedCache(Cache):
         """Slots per (row, KV head) that layer `layer_idx` stores, the scratch slot included."""
         if not self.varies:
             return self.capacity
-        ev, budget = self.evictor, self.budgets[layer_idx]
-        widest = max(ev.params.budget, ev.head_capacity(budget, self.kv_heads))
-        return widest + ev.params.buffer + 1
+        return self.widths[layer_idx] + 1
 
     def plan(self, layer_idx: int) -> WritePlan:
         """The current forward's write plan for one layer."""
