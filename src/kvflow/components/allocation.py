@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from kvflow._lazy import torch
 from kvflow.components.base import EvictorParams
@@ -105,14 +105,33 @@ def kept_counts(keep: "torch.Tensor") -> "torch.Tensor":
 # --------------------------------------------------------------------------- mixins
 
 
+def _refuse_observing(cls) -> None:
+    if getattr(cls, "observes_attention", False):
+        raise TypeError(f"{cls.__name__}: evictors that observe attention (H2O's statistic) do not combine with "
+                        "varying allocations yet")
+
+
+def _no_quantize(params):
+    if getattr(params, "quantize", None) is not None:
+        raise ValueError("quantize does not combine with budgets that vary by layer or head yet (the quantized "
+                         "store keeps one split per row); use it with a uniform evictor such as breadthkv")
+    return params
+
+
 class PyramidParams(EvictorParams):
     beta: float = Field(20.0, ge=1.0, description="PyramidKV's β: the top layer keeps (budget - window) / β "
                                                   "besides the window, the first layer about twice the mean.")
+
+    _uniform_storage = model_validator(mode="after")(_no_quantize)
 
 
 class PyramidLayers:
     """Mixin: PyramidKV's per-layer budgets (see `pyramid_budgets`). Put it before the scoring
     evictor: `class PyramidSnapKV(PyramidLayers, SnapKVEvictor)`."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        _refuse_observing(cls)
 
     def layer_budgets(self, num_layers: int) -> list[int]:
         p = self.params
@@ -126,12 +145,18 @@ class AdaptiveParams(EvictorParams):
         None, ge=1.0, description="Most tokens one head may keep, in multiples of the layer budget (the cache "
         "stores this many per head). null: as many as the safeguard leaves, kv_heads - (kv_heads - 1) α.")
 
+    _uniform_storage = model_validator(mode="after")(_no_quantize)
+
 
 class AdaptiveHeads:
     """Mixin: Ada-KV's head-adaptive allocation (see `adaptive_keep`). Put it before the
     scoring evictor: `class AdaSnapKV(AdaptiveHeads, SnapKVEvictor)`."""
 
     adaptive_heads = True
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        _refuse_observing(cls)
 
     def head_floor(self, layer_budget: int) -> int:
         return int(self.params.safeguard * layer_budget)

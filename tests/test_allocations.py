@@ -1,0 +1,190 @@
+"""Budgets that vary by layer and head (kvflow.components.allocation; pyramidkv, ada-snapkv):
+hand-checked allocations, a loop reference of Ada-SnapKV, and the cache's per-head masking,
+memory accounting and refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvflow.components.allocation import adaptive_keep, pyramid_budgets
+from kvflow.kv_memory import layout
+from kvflow.testing.evictor_contract import PROMPTS, decode
+from kvflow.testing.models import tiny_runner
+from kvflow_builtin.evictors.ada_snapkv import AdaSnapKVEvictor
+from kvflow_builtin.evictors.pyramidkv import PyramidKVEvictor
+from kvflow_builtin.evictors.snapkv import SnapKVEvictor
+from test_evictor_reference import random_case, ref_importance
+
+INF = float("inf")
+
+
+# --------------------------------------------------------------------------- PyramidKV budgets
+
+
+def test_pyramid_budgets_by_hand():
+    # B = 10, W = 2, beta = 4: min = 8 / 4 = 2, max = 16 - 2 = 14, step 4 -> 2 + [14, 10, 6, 2]
+    assert pyramid_budgets(10, 2, 4, 4.0, held=100) == [16, 12, 8, 4]
+    # beta = 3: 2 + [13.33, 8, 2.67] = [15.33, 10, 4.67]: floors 29, the one left over to 4.67
+    assert pyramid_budgets(10, 2, 3, 3.0, held=100) == [15, 10, 5]
+    # held = 15: max (15.6) would exceed held - W = 13, so max = 13 and min = 16 - 13 = 3
+    assert pyramid_budgets(10, 2, 2, 20.0, held=15) == [15, 5]
+    assert pyramid_budgets(10, 2, 1, 20.0, held=15) == [10]
+
+
+@pytest.mark.parametrize("layers", [2, 7, 28, 36])
+@pytest.mark.parametrize("budget,window,buffer", [(64, 16, 64), (64, 8, 128), (33, 4, 16), (512, 8, 128)])
+def test_pyramid_totals_and_order(layers, budget, window, buffer):
+    ev = PyramidKVEvictor(PyramidKVEvictor.Params(budget=budget, window=window, buffer=buffer))
+    got = ev.allocation(layers)  # checks the total and the per-layer bounds itself
+    assert sum(got) == budget * layers
+    assert got == sorted(got, reverse=True), "lower layers keep at least as many tokens as higher ones"
+
+
+def test_allocation_refuses_an_impossible_layer_budget():
+    class Lopsided(PyramidKVEvictor):
+        def layer_budgets(self, num_layers):
+            return [1] + [self.params.budget] * (num_layers - 2) + [2 * self.params.budget - 1]
+
+    ev = Lopsided(Lopsided.Params(budget=10, buffer=5, window=2))
+    with pytest.raises(ValueError, match="more than the window"):
+        ev.allocation(3)
+
+
+# --------------------------------------------------------------------------- Ada-KV selection
+
+
+def heads(*rows):
+    return torch.tensor([rows], dtype=torch.float32)  # [1, heads, N]
+
+
+def test_adaptive_keep_by_hand():
+    # head 0 holds 6 tokens, head 1 only 4 (its slots 4, 5 are padding); the last of each is the window
+    scores = heads([0.9, 0.8, 0.7, 0.1, 0.0, INF], [0.05, 0.6, 0.01, INF, -INF, -INF])
+    # floor 1: each keeps its window; the other 4 of 6 go to the best scores of the layer: .9 .8 .7 .6
+    keep = adaptive_keep(scores, total=6, capacity=5, floor=1)
+    assert keep.tolist() == [[[0, 1, 2, 5, -1], [1, 3, -1, -1, -1]]]
+    # capacity 3: head 0 stops at 3 tokens, so head 1 takes .05 as well
+    assert adaptive_keep(scores, total=6, capacity=3, floor=1).tolist() == [[[0, 1, 5], [0, 1, 3]]]
+    # floor 3: each head keeps its own top 3 and nothing is left to share
+    assert adaptive_keep(scores, total=6, capacity=5, floor=3).tolist() == [[[0, 1, 5, -1, -1], [0, 1, 3, -1, -1]]]
+
+
+def test_adaptive_keep_ties_go_to_the_lower_head_then_the_earlier_slot():
+    scores = heads([0.5, 0.5, 0.5, INF], [0.5, 0.5, 0.5, INF])
+    keep = adaptive_keep(scores, total=5, capacity=4, floor=0)
+    assert keep.tolist() == [[[0, 1, 2, 3], [3, -1, -1, -1]]]
+
+
+def ref_ada_snapkv(imp, length, window, budget, kv, floor, cap):
+    """Plain Python Ada-SnapKV for one row: per head the window, its top max(floor, W) slots,
+    then the layer's best remaining (score, lower head, earlier slot), up to `cap` per head."""
+    kept = [set(range(length - window, length)) for _ in range(kv)]
+    for h in range(kv):
+        order = sorted(range(length - window), key=lambda j: (-imp[h][j], j))
+        kept[h] |= set(order[: max(0, max(floor, window) - window)])
+    pool = sorted(((imp[h][j], h, j) for h in range(kv) for j in range(length - window) if j not in kept[h]),
+                  key=lambda x: (-x[0], x[1], x[2]))
+    left = kv * budget - sum(len(k) for k in kept)
+    for _, h, j in pool:
+        if left == 0:
+            break
+        if len(kept[h]) < cap:
+            kept[h].add(j)
+            left -= 1
+    return kept
+
+
+def test_ada_snapkv_matches_loops():
+    ev = AdaSnapKVEvictor(AdaSnapKVEvictor.Params(budget=6, buffer=10, window=3, safeguard=0.5))
+    keys, values, queries = random_case(4)
+    lengths = [16, 13]
+    gens = [torch.Generator().manual_seed(s) for s in range(2)]
+    keep = ev.select(keys, values, queries, layer_idx=0, lengths=torch.tensor(lengths),
+                     n_protected=torch.zeros(2, dtype=torch.long), generators=gens)
+    cap = ev.head_capacity(6, 2)
+    assert cap == 2 * 6 - 3 and keep.shape == (2, 2, cap)
+    p = ev.params
+    for r, n in enumerate(lengths):
+        imp = ref_importance(keys[r].double().numpy(), queries[r].double().numpy(), n, 3, 2, gqa=p.gqa,
+                             softmax_keys=p.softmax_keys, pooling=p.pooling, kernel=p.kernel)
+        want = ref_ada_snapkv(imp, n, 3, 6, 2, floor=3, cap=cap)
+        got = [set(x for x in keep[r, h].tolist() if x >= 0) for h in range(2)]
+        assert got == want
+    counts = (keep >= 0).sum(-1)
+    assert (counts.sum(-1) == 12).all() and len(set(counts.flatten().tolist())) > 1, "the heads should differ"
+
+
+def test_ada_snapkv_scores_each_head_over_its_own_length():
+    """After an adaptive compaction the heads hold different lengths: each head's window is its
+    own newest tokens, and a padding slot of a shorter head is never kept."""
+    ev = AdaSnapKVEvictor(AdaSnapKVEvictor.Params(budget=6, buffer=10, window=3))
+    keys, values, queries = random_case(5, rows=1)
+    head_lengths = torch.tensor([[16, 11]])
+    keys[0, 1, 11:] = 1e3  # stale slots past head 1's length
+    keep = ev.select(keys, values, queries, layer_idx=0, lengths=torch.tensor([16]),
+                     n_protected=torch.zeros(1, dtype=torch.long), generators=[torch.Generator()],
+                     head_lengths=head_lengths)
+    got = [set(x for x in keep[0, h].tolist() if x >= 0) for h in range(2)]
+    assert {13, 14, 15} <= got[0] and {8, 9, 10} <= got[1]
+    assert max(got[1]) < 11
+
+
+# --------------------------------------------------------------------------- the hf cache
+
+
+def test_holes_are_masked_out_of_attention():
+    """Garbage written into each head's hole (slots it evicted, below the layer's longest head)
+    must not change the next logits; it does when the mask lets the hole through."""
+    runner = tiny_runner("qwen2")
+    ev = AdaSnapKVEvictor(AdaSnapKVEvictor.Params(budget=10, buffer=5, window=2))
+    _, cache = decode(runner, ev, PROMPTS, 12)
+    r = cache.rows
+    assert (r.hole_end[:, :, None] > r.hole_start).any(), "the scenario should leave holes"
+    pending = torch.tensor([[5], [6], [7]])
+    clean = runner.forward(cache.select([0, 1, 2]), pending)
+    dirty_cache = cache.select([0, 1, 2])
+    for i, layer in enumerate(dirty_cache.layers):
+        for row in range(3):
+            for h in range(layer.keys.shape[1]):
+                a, b = int(r.hole_start[row, i, h]), int(r.hole_end[row, i])
+                layer.keys[row, h, a:b] = 1e4
+                layer.values[row, h, a:b] = -1e4
+    torch.testing.assert_close(runner.forward(dirty_cache, pending), clean)
+
+
+def test_pyramid_layers_hold_their_own_budgets():
+    runner = tiny_runner("llama")
+    ev = PyramidKVEvictor(PyramidKVEvictor.Params(budget=10, buffer=5, window=2, beta=4))
+    _, cache = decode(runner, ev, PROMPTS, 24)
+    budgets = ev.allocation(runner.num_layers)
+    assert budgets[0] > budgets[-1]
+    appended = cache.rows.lengths - 10
+    for i, b in enumerate(budgets):
+        assert (cache.head_lengths(i) == (appended + b)[:, None]).all()
+
+
+@pytest.mark.parametrize("cls", [PyramidKVEvictor, AdaSnapKVEvictor, SnapKVEvictor])
+def test_kv_memory_is_what_the_cache_allocates(cls):
+    runner = tiny_runner("qwen2")
+    ev = cls(cls.Params(budget=10, buffer=5, window=2))
+    _, cache = decode(runner, ev, PROMPTS, 12)
+    layers, kv_heads, head_dim, elem = runner.kv_shape()
+    widths = ev.layer_widths(layers, kv_heads) if ev.varies(layers) else None
+    lay = layout(ev.params, layers, kv_heads, head_dim, elem, widths=widths)
+    assert cache.resident_bytes() == lay.peak_bytes * cache.n_rows
+    assert lay.kept_bytes == layers * kv_heads * 10 * 2 * head_dim * elem  # the same total kept
+
+
+def test_budget_bytes_composes():
+    p = PyramidKVEvictor.Params(budget_bytes=4096, buffer=8, window=2)
+    ev = PyramidKVEvictor(p.with_budget(12))
+    assert sum(ev.allocation(4)) == 48
+
+
+def test_quantize_is_refused_with_the_field(cli):
+    out = cli("validate", "pipelines/quickstart.yaml", "--set",
+              "proposers.base.evictor={kind: ada-snapkv, budget: 64, quantize: {bits: 4}}")
+    assert out.exit_code == 2, out.output
+    assert "proposers.base.evictor" in out.output and "quantize does not combine" in out.output
+    assert "Traceback" not in out.output
