@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 
 from conftest import committed_steps, require_sglang
 from kvflow.components.engine import ProposeRequest, SamplingSpec, StartRequest
@@ -103,23 +104,26 @@ def test_engine_settings_an_evicted_proposer_cannot_run_under_are_refused(tmp_pa
     assert result.exit_code == 2 and "models.base.engine.page_size" in result.output, result.output
 
 
-def _rescue(tmp_path, backend: str, model_dir):
-    """Greedy KV-Rescue on one tiny model: evicted base (R-KV), full-context helper and the
-    likelihood scorer, all on `backend` (on SGLang: one engine, evicted and full-context
-    requests in the same batches)."""
+def _rescue(tmp_path, backend: str, model_dir, evictor: str = "rkv"):
+    """Greedy KV-Rescue on one tiny model: evicted base (R-KV, or `evictor`), full-context
+    helper and the likelihood scorer, all on `backend` (on SGLang: one engine, evicted and
+    full-context requests in the same batches)."""
     model = {"backend": backend, "id": str(model_dir)}
     extra = {"models": {"base": model, "helper": model},
              "proposers": {"base": {"sampling": {"temperature": 0}}, "helper": {"sampling": {"temperature": 0}}},
              "scorer": {"kind": "likelihood", "model": "helper"}}
     return tiny_pipeline(tmp_path, name=f"rescue_{backend}", problems=2, n=2, max_step_tokens=24, max_tokens=72,
-                         evictor={"kind": "rkv", "budget": 16, "buffer": 8, "window": 4}, extra=extra)
+                         evictor={"kind": evictor, "budget": 16, "buffer": 8, "window": 4}, extra=extra)
 
 
-def test_kv_rescue_with_every_model_on_sglang_commits_what_hf_commits(tmp_path, cli, shared_tiny_qwen):
+@pytest.mark.parametrize("evictor", ["rkv", "pyramidkv", "ada-snapkv"])
+def test_kv_rescue_with_every_model_on_sglang_commits_what_hf_commits(tmp_path, cli, shared_tiny_qwen, evictor):
+    """With a uniform budget, and with budgets that vary by layer (PyramidKV) and by head
+    (Ada-KV: per-head holes in SGLang's rows, attention masked by kvflow's plugin)."""
     require_sglang()
     runs = {}
     for backend in ("hf", "sglang"):
-        result = cli("run", _rescue(tmp_path, backend, shared_tiny_qwen))
+        result = cli("run", _rescue(tmp_path, backend, shared_tiny_qwen, evictor))
         assert result.exit_code == 0, result.output
         (run_dir,) = [d for d in (tmp_path / "results").iterdir() if d.name.startswith(f"rescue_{backend}")]
         runs[backend] = committed_steps(run_dir)
