@@ -2,12 +2,13 @@
 (docs/benchmarks.md, "Evicted proposers on SGLang").
 
     /path/to/venv/bin/python bench/sglang_evicted.py [--model catalog:qwen2.5-coder-0.5b-instruct]
-        [--dtype bfloat16] [--n 4] [--lengths 128,256,512,768] [--evictor rkv] [--budget 64 --buffer 64]
-        [--engines sglang,hf] [--out docs/results/bench/sglang_evicted.json]
+        [--dtype bfloat16] [--n 4] [--lengths 128,256,512,768] [--evictor rkv[,snapkv,...]]
+        [--budget 64 --buffer 64] [--engines sglang,hf] [--out docs/results/bench/sglang_evicted.json]
 
 One GSM8K prompt, one proposal of `n` greedy candidates that never meet a delimiter (nor EOS:
 switched off for the benchmark), decoded to the longest length through kvflow's engine protocol (what a proposer does), once per
-(engine, evictor or full context). At each checkpoint length: wall time since the proposal
+(engine, evictor or full context; `--evictor` may list several, e.g. the allocations
+snapkv,pyramidkv,ada-snapkv). At each checkpoint length: wall time since the proposal
 was submitted (tokens/s = n x length / time, cumulative; and over the last stretch), and the
 KV memory held: SGLang's pool slots in use (read from the scheduler, `server_state()`), the
 `hf` cache's resident tokens. Prints and writes one JSON object.
@@ -50,8 +51,10 @@ def main() -> None:
     torch.set_num_threads(threads)
     lengths = [int(x) for x in args.lengths.split(",")]
     reg = get_registry()
-    cls = reg.get("evictors", args.evictor)
-    evictor = cls(cls.Params(budget=args.budget, buffer=args.buffer))
+    evictors = {}
+    for kind in args.evictor.split(","):
+        cls = reg.get("evictors", kind)
+        evictors[kind] = cls(cls.Params(budget=args.budget, buffer=args.buffer))
     full = reg.get("evictors", "none")(reg.get("evictors", "none").Params())
     out: dict = {"model": args.model, "dtype": args.dtype, "n": args.n, "evictor": args.evictor,
                  "budget": args.budget, "buffer": args.buffer, "cpu": _cpu(), "machine": platform.machine(),
@@ -62,17 +65,18 @@ def main() -> None:
         prompt = _prompt(engine)
         _never_stop_at_eos(engine)
         _warm(engine, prompt, full)
-        for label, ev in ((args.evictor, evictor), ("full", full)):
+        for label, ev in (*evictors.items(), ("full", full)):
             out["runs"][f"{backend}/{label}"] = run(engine, prompt, ev, args.n, lengths)
             print(json.dumps({f"{backend}/{label}": out["runs"][f"{backend}/{label}"]}), flush=True)
     for length in lengths:
         for backend in args.engines.split(","):
-            ev, fu = out["runs"].get(f"{backend}/{args.evictor}"), out["runs"].get(f"{backend}/full")
-            if ev and fu:
-                a = next(c for c in ev["checkpoints"] if c["tokens"] == length)
-                b = next(c for c in fu["checkpoints"] if c["tokens"] == length)
-                out.setdefault("evicted_over_full", {}).setdefault(backend, {})[length] = round(
-                    a["tok_per_s"] / b["tok_per_s"], 3)
+            for kind in evictors:
+                ev, fu = out["runs"].get(f"{backend}/{kind}"), out["runs"].get(f"{backend}/full")
+                if ev and fu:
+                    a = next(c for c in ev["checkpoints"] if c["tokens"] == length)
+                    b = next(c for c in fu["checkpoints"] if c["tokens"] == length)
+                    ratios = out.setdefault("evicted_over_full", {}).setdefault(backend, {}).setdefault(kind, {})
+                    ratios[length] = round(a["tok_per_s"] / b["tok_per_s"], 3)
     print(json.dumps(out, indent=1))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
@@ -137,8 +141,10 @@ def _kv_held(engine, done) -> dict:
         info = engine.server_state()
         return {"kv_slots_used": info["kv_slots_total"] - info["kv_slots_free"] - info["kv_slots_evictable"]}
     caches = [r.cache for r in engine.running] + [p.handle for p in done]
-    return {"kv_tokens_per_row": int(max(c.rows.lengths.max() for c in caches)) if caches else None,
-            "kv_bytes": sum(c.resident_bytes() for c in caches)}
+    if not caches:
+        return {"kv_tokens_per_row": None, "kv_bytes": 0}
+    longest = max(int(c.head_lengths(i).max()) for c in caches for i in range(len(c.layers)))
+    return {"kv_tokens_per_row": longest, "kv_bytes": sum(c.resident_bytes() for c in caches)}
 
 
 def _warm(engine, prompt: str, full) -> None:

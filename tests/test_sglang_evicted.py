@@ -58,7 +58,8 @@ def test_seeded_sampling_with_random_eviction_does_not_depend_on_the_batch(sglan
 
 def test_an_evicted_request_holds_at_most_budget_plus_buffer_slots(sglang_engine):
     """Generate far past the budget: the engine's KV pool usage stays flat for the evicted
-    request (read from SGLang's scheduler while it decodes) and grows for a full-context one."""
+    request (read from SGLang's scheduler while it decodes) and grows for a full-context one.
+    Budgets that vary by layer or head hold at most their widest (layer, head) + buffer."""
     budget, buffer, steps = 16, 8, 160
 
     def peak_used(evictor) -> tuple[int, int, int]:
@@ -76,6 +77,11 @@ def test_an_evicted_request_holds_at_most_budget_plus_buffer_slots(sglang_engine
         assert done[0].candidates[0].n_tokens == steps
         return peak, own, reads
 
+    for kind in ("pyramidkv", "ada-snapkv"):  # varying budgets: the widest (layer, head) + buffer
+        ev = _evictor(kind)
+        widest = max(ev.layer_widths(2, 2))  # the tiny Qwen2: 2 layers, 2 KV heads
+        peak, row, _ = peak_used(ev)
+        assert budget + buffer < widest and row <= widest and peak <= widest, (kind, row, peak, widest)
     compactions = sglang_engine.server_state()["compactions"]
     evicted_peak, evicted_row, reads = peak_used(_evictor("streaming"))
     assert sglang_engine.server_state()["compactions"] - compactions >= steps // buffer - 1

@@ -12,7 +12,9 @@ process, so an SGLang engine starts once): a chat prompt, four steps of two cand
 run to the step cap (several compactions each), adopting candidate 0, then candidate 1, then
 ingesting candidate 0's text twice (another proposer's path). Compared with `hf`: every
 candidate's tokens and finish, log-probabilities within 1e-4, and the final state's kept keys
-and values per (layer, KV head) and its compaction count (`engine.kept_kv(state)`).
+and values per (layer, KV head) and its compaction count (`engine.kept_kv(state)`: keys[l][h]
+in time order, so budgets that vary by layer or head compare too, whatever each engine's
+layout).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ class EvictedState:
     ids: list[int]  # the logical sequence: prompt + committed tokens, the pending token last
     snap: Optional[str]  # snapshot id (None: nothing cached yet)
     cached: int  # leading tokens of `ids` the snapshot has seen
-    resident: int  # tokens it holds per (layer, KV head)
+    resident: int  # tokens it holds per (layer, KV head); varying allocations: the nominal length (budget + since the last compaction)
     evictor: Any
     rng_key: int
     n_protected: int
