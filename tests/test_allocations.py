@@ -170,8 +170,7 @@ def test_kv_memory_is_what_the_cache_allocates(cls):
     ev = cls(cls.Params(budget=10, buffer=5, window=2))
     _, cache = decode(runner, ev, PROMPTS, 12)
     layers, kv_heads, head_dim, elem = runner.kv_shape()
-    widths = ev.layer_widths(layers, kv_heads) if ev.varies(layers) else None
-    lay = layout(ev.params, layers, kv_heads, head_dim, elem, widths=widths)
+    lay = layout(ev.params, layers, kv_heads, head_dim, elem, evictor=ev)
     assert cache.resident_bytes() == lay.peak_bytes * cache.n_rows
     assert lay.kept_bytes == layers * kv_heads * 10 * 2 * head_dim * elem  # the same total kept
 
@@ -182,7 +181,45 @@ def test_budget_bytes_composes():
     assert sum(ev.allocation(4)) == 48
 
 
-def test_quantize_is_refused_with_the_field(cli):
+QUANT = {"bits": 8, "group_size": 8, "residual": 4}
+
+
+def test_pyramid_with_quantize_splits_each_layer_and_decodes_as_unquantized_at_8_bits():
+    """Each layer quantizes the whole key groups of its own budget; at 8 bits the tokens are
+    those of the unquantized cache; batched == alone; the accounting is the allocation."""
+    runner = tiny_runner("qwen2")
+    P = PyramidKVEvictor.Params
+    ev = PyramidKVEvictor(P(budget=40, buffer=16, window=2, quantize=QUANT))
+    budgets = ev.allocation(runner.num_layers)
+    assert budgets == [56, 24]
+    tokens, cache = decode(runner, ev, PROMPTS, 60)
+    assert (cache.rows.compactions > 0).all()
+    assert cache.rows.n_quantized.tolist() == [[48, 16]] * 3  # (56 - 4) // 8 * 8, (24 - 4) // 8 * 8
+    plain_tokens, _ = decode(runner, PyramidKVEvictor(P(budget=40, buffer=16, window=2)), PROMPTS, 60)
+    assert tokens == plain_tokens
+    layers, kv_heads, head_dim, elem = runner.kv_shape()
+    lay = layout(ev.params, layers, kv_heads, head_dim, elem, evictor=ev)
+    assert cache.resident_bytes() == lay.peak_bytes * cache.n_rows
+    assert lay.layer_budgets == (56, 24)
+    for r, prompt in enumerate(PROMPTS):
+        alone, _ = decode(runner, ev, [prompt], 60, seeds=[[11, 22, 33][r]])
+        assert alone[0] == tokens[r]
+
+
+def test_budget_bytes_with_quantize_counts_each_layer_split():
+    from kvflow.kv_memory import budget_for_bytes
+
+    layers, kv_heads, head_dim, elem = 4, 2, 64, 2
+    p = PyramidKVEvictor.Params(budget_bytes=200_000, buffer=32, window=2, quantize={"bits": 2, "group_size": 16})
+    budget = budget_for_bytes(p, layers, kv_heads, head_dim, elem, evictor_cls=PyramidKVEvictor)
+    fits = lambda b: layout(p, layers, kv_heads, head_dim, elem, budget=b,  # noqa: E731
+                            evictor=PyramidKVEvictor(p.with_budget(b))).kept_bytes
+    assert fits(budget) <= 200_000 < fits(budget + 1)
+    plain = budget_for_bytes(p.model_copy(update={"quantize": None}), layers, kv_heads, head_dim, elem)
+    assert budget > 2 * plain  # 2-bit codes buy more tokens than full precision
+
+
+def test_quantize_with_head_budgets_is_refused_with_the_field(cli):
     out = cli("validate", "pipelines/quickstart.yaml", "--set",
               "proposers.base.evictor={kind: ada-snapkv, budget: 64, quantize: {bits: 4}}")
     assert out.exit_code == 2, out.output

@@ -167,6 +167,6 @@ def _budget_tokens(point, base: str) -> Optional[int]:
     params = point.components.proposers[base].evictor.params
     try:
         return budget_for_bytes(params, shape.n_layers, shape.n_kv_heads, shape.head_dim,
-                                DTYPE_BYTES.get(model.dtype, 2))
+                                DTYPE_BYTES.get(model.dtype, 2), evictor_cls=point.components.proposers[base].evictor.cls)
     except ValueError:
         return None

@@ -184,17 +184,21 @@ def _budget_lines(pname: str, cls: type, params: Any, shape: Optional["ModelShap
     budget, source = params.budget, f"budget {params.budget} tokens"
     if params.budget_bytes is not None:
         try:
-            budget = budget_for_bytes(params, *dims)
+            budget = budget_for_bytes(params, *dims, evictor_cls=cls)
         except ValueError as e:
             return [f"  {pname}: budget_bytes {params.budget_bytes}: {e}"]
         source = f"budget_bytes {params.budget_bytes} -> budget {budget} tokens"
     evictor = cls(params.with_budget(budget) if params.budget_bytes is not None else params)
     varies = evictor.varies(shape.n_layers)
     widths = evictor.layer_widths(shape.n_layers, shape.n_kv_heads) if varies else None
-    lay = layout(params, *dims, budget=budget, widths=widths)
+    lay = layout(params, *dims, budget=budget, evictor=evictor)
     q = params.quantize
-    split = (f"{lay.n_quantized} quantized at {q.bits} bits (groups of {q.group_size}) + {lay.residual} full precision"
-             if q else "all full precision")
+    if q and varies:
+        split = f"per layer the first whole key groups at {q.bits} bits (groups of {q.group_size}), the rest full precision"
+    elif q:
+        split = f"{lay.n_quantized} quantized at {q.bits} bits (groups of {q.group_size}) + {lay.residual} full precision"
+    else:
+        split = "all full precision"
     lines = [f"  {pname}: {source}; kept {split} = {_human_bytes(lay.kept_bytes)} per sequence after a compaction"]
     if varies:
         budgets = evictor.allocation(shape.n_layers)

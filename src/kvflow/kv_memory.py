@@ -18,13 +18,14 @@ padded batch writes land in.
 
 Varying allocations (PyramidKV, Ada-KV; `Evictor.layer_widths`) keep the same total after a
 compaction (layer budgets sum to budget x layers, a layer's heads to kv_heads x its budget),
-but the dense cache stores each layer at its widest: `widths[l] + 1` slots per KV head.
+but the dense cache stores each layer at its widest: `widths[l] + 1` slots per KV head. With
+`quantize` (per-layer budgets only) each layer splits its own budget as above.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "auto": 2}
 
@@ -33,11 +34,12 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "auto": 2}
 class KVLayout:
     """How one sequence's cache is laid out and what it costs."""
 
-    budget: int  # tokens kept after a compaction
-    n_quantized: int  # of which quantized
+    budget: int  # tokens kept after a compaction (the mean per layer when layers have their own)
+    n_quantized: int  # of which quantized (per layer; the first layer's when layers have their own)
     buffer: int
     kept_bytes: int  # bytes after a compaction (what budget_bytes bounds)
     peak_bytes: int  # bytes allocated per sequence (kept + buffer + scratch slot)
+    layer_budgets: Optional[tuple[int, ...]] = None  # per layer, when the allocation varies
 
     @property
     def residual(self) -> int:
@@ -66,25 +68,35 @@ def quantized_token_bytes(head_dim: int, elem: int, quantize: Any) -> float:
 
 
 def layout(params: Any, n_layers: int, n_kv_heads: int, head_dim: int, elem: int,
-           budget: Optional[int] = None, widths: Optional[Sequence[int]] = None) -> KVLayout:
-    """The layout of an evictor's params (`budget` overrides params.budget; `widths`: slots
-    per KV head each layer stores between compactions, `Evictor.layer_widths`, for an
-    allocation that varies; unquantized)."""
+           budget: Optional[int] = None, evictor: Any = None) -> KVLayout:
+    """The layout of an evictor's params (`budget` overrides params.budget). `evictor`: the
+    Evictor itself, for allocations that vary by layer or head (`Evictor.varies`): its
+    per-layer budgets and widths (`layer_widths`) then give the bytes."""
     budget = params.budget if budget is None else budget
     q = getattr(params, "quantize", None)
-    nq = n_quantized(budget, q)
-    heads = n_layers * n_kv_heads
     fp = full_token_bytes(head_dim, elem)
     quant = quantized_token_bytes(head_dim, elem, q) if q is not None else 0
+    if evictor is not None and evictor.varies(n_layers):
+        budgets = evictor.allocation(n_layers)
+        widths = evictor.layer_widths(n_layers, n_kv_heads)
+        kept = peak = 0.0
+        for b, w in zip(budgets, widths):
+            nq = n_quantized(b, q)
+            kept += n_kv_heads * (nq * quant + (b - nq) * fp)
+            peak += n_kv_heads * (nq * quant + (w - nq + 1) * fp)  # the layer's widest head + buffer + scratch
+        return KVLayout(budget, n_quantized(budgets[0], q), params.buffer, int(round(kept)), int(round(peak)),
+                        tuple(budgets))
+    nq = n_quantized(budget, q)
+    heads = n_layers * n_kv_heads
     kept = heads * (nq * quant + (budget - nq) * fp)
     peak = kept + heads * (params.buffer + 1) * fp
-    if widths is not None:
-        peak = sum(n_kv_heads * (w + 1) * fp for w in widths)
     return KVLayout(budget, nq, params.buffer, int(round(kept)), int(round(peak)))
 
 
-def budget_for_bytes(params: Any, n_layers: int, n_kv_heads: int, head_dim: int, elem: int) -> int:
-    """The largest token budget whose kept bytes fit in params.budget_bytes."""
+def budget_for_bytes(params: Any, n_layers: int, n_kv_heads: int, head_dim: int, elem: int,
+                     evictor_cls: Any = None) -> int:
+    """The largest token budget whose kept bytes fit in params.budget_bytes (`evictor_cls`:
+    the evictor's class, whose allocation may split a quantized budget per layer)."""
     target = params.budget_bytes
     fp_per_token = n_layers * n_kv_heads * full_token_bytes(head_dim, elem)
     hi = max(1, target // fp_per_token)
@@ -94,6 +106,13 @@ def budget_for_bytes(params: Any, n_layers: int, n_kv_heads: int, head_dim: int,
     # not a binary search: with quantization the kept bytes are a sawtooth in the budget (one
     # more token can complete a key group and move group_size tokens to low precision)
     for budget in range(hi, 0, -1):
-        if layout(params, n_layers, n_kv_heads, head_dim, elem, budget=budget).kept_bytes <= target:
+        evictor = None
+        if evictor_cls is not None and params.quantize is not None:
+            try:
+                evictor = evictor_cls(params.with_budget(budget))
+                evictor.varies(n_layers)
+            except ValueError:  # a budget the other parameters (or the allocation) do not fit in
+                continue
+        if layout(params, n_layers, n_kv_heads, head_dim, elem, budget=budget, evictor=evictor).kept_bytes <= target:
             return budget
     raise ValueError(f"budget_bytes {target} holds less than one token ({fp_per_token} bytes per token)")

@@ -113,8 +113,9 @@ def _refuse_observing(cls) -> None:
 
 def _no_quantize(params):
     if getattr(params, "quantize", None) is not None:
-        raise ValueError("quantize does not combine with budgets that vary by layer or head yet (the quantized "
-                         "store keeps one split per row); use it with a uniform evictor such as breadthkv")
+        raise ValueError("quantize does not combine with budgets that vary by head yet (the quantized store "
+                         "splits a layer's heads alike); use it with a per-layer allocation (pyramidkv) or a "
+                         "uniform one (breadthkv)")
     return params
 
 
@@ -122,7 +123,6 @@ class PyramidParams(EvictorParams):
     beta: float = Field(20.0, ge=1.0, description="PyramidKV's β: the top layer keeps (budget - window) / β "
                                                   "besides the window, the first layer about twice the mean.")
 
-    _uniform_storage = model_validator(mode="after")(_no_quantize)
 
 
 class PyramidLayers:

@@ -142,7 +142,8 @@ def resolve_budget_bytes(loaded: LoadedPipeline, proposer: str, params, kv_shape
         return params
     where = f"proposers.{proposer}.evictor.budget_bytes"
     try:
-        return params.with_budget(budget_for_bytes(params, *kv_shape))
+        cls = loaded.components.proposers[proposer].evictor.cls
+        return params.with_budget(budget_for_bytes(params, *kv_shape, evictor_cls=cls))
     except ValueError as e:  # too few bytes, or a budget the other parameters do not fit in
         layers, heads, dim, elem = kv_shape
         raise UserError([loaded.problem(where, f"{params.budget_bytes} bytes do not give a usable budget for "
@@ -164,11 +165,12 @@ def kv_memory(plan) -> dict:
         entry = {"bytes_per_token": layers * heads * full_token_bytes(dim, elem), "budget": None, "n_quantized": 0,
                  "bits": None, "kept_bytes": None, "peak_bytes": None}
         if p.evictor.bounded:
-            widths = p.evictor.layer_widths(layers, heads) if p.evictor.varies(layers) else None
-            lay = layout(p.evictor.params, layers, heads, dim, elem, widths=widths)
+            lay = layout(p.evictor.params, layers, heads, dim, elem, evictor=p.evictor)
             q = getattr(p.evictor.params, "quantize", None)
             entry.update(budget=lay.budget, n_quantized=lay.n_quantized, bits=q.bits if q else None,
                          kept_bytes=lay.kept_bytes, peak_bytes=lay.peak_bytes)
+            if lay.layer_budgets is not None:
+                entry["layer_budgets"] = list(lay.layer_budgets)
         out[p.name] = entry
     return out
 

@@ -58,7 +58,7 @@ class RowState:
     n_queries: torch.Tensor  # [rows] int64, valid entries at the right end of the query buffer
     rng_keys: torch.Tensor  # [rows] int64, per-row seed of stochastic evictors
     compactions: torch.Tensor  # [rows] int64, how many times each row was compacted
-    n_quantized: torch.Tensor  # [rows] int64, leading slots held quantized (0 without `quantize`)
+    n_quantized: torch.Tensor  # [rows] int64, leading slots held quantized (0 without `quantize`); [rows, layers] when the allocation varies
     # varying allocations only (else [rows, 0] and [rows, 0, 0]), see the module docstring:
     layer_offset: torch.Tensor  # [rows, layers] int64, a layer's length minus the nominal length
     hole_start: torch.Tensor  # [rows, layers, kv_heads] int64, k_h: head h's kept tokens
@@ -73,13 +73,13 @@ class RowState:
 
     def with_allocation(self, layers: int, kv_heads: int) -> "RowState":
         """These rows with per-layer bookkeeping for a varying allocation (zeros where absent:
-        no compaction yet, every head holds every token)."""
+        no compaction yet, every head holds every token; `n_quantized` per layer)."""
         n = len(self.lengths)
         if self.layer_offset.shape[1:] == (layers,) and self.hole_start.shape[1:] == (layers, kv_heads):
             return self
         zeros = torch.zeros(n, layers, dtype=torch.long)
         return RowState(self.lengths, self.positions, self.n_protected, self.n_queries, self.rng_keys,
-                        self.compactions, self.n_quantized, zeros, torch.zeros(n, layers, kv_heads, dtype=torch.long),
+                        self.compactions, zeros.clone(), zeros, torch.zeros(n, layers, kv_heads, dtype=torch.long),
                         zeros.clone())
 
 
@@ -97,11 +97,12 @@ class BudgetedLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         rows, kv_heads, _, head_dim = key_states.shape
         cache = self.cache
-        cap = cache.fp_capacity if cache.quant else cache.layer_capacity(self.index)
+        quant_slots, fp_slots = cache.quant_split(self.index)
+        cap = fp_slots if cache.quant else cache.layer_capacity(self.index)
         self.keys = key_states.new_zeros(rows, kv_heads, cap, head_dim)
         self.values = value_states.new_zeros(rows, kv_heads, cap, value_states.shape[-1])
         if cache.quant:
-            self.qstore = QuantizedStore.empty(rows, kv_heads, cache.quant_capacity, head_dim, cache.quant.bits,
+            self.qstore = QuantizedStore.empty(rows, kv_heads, quant_slots, head_dim, cache.quant.bits,
                                                cache.quant.group_size, key_states.dtype, key_states.device)
         if self.cache.evictor.observes_attention:
             self.stats = torch.zeros(rows, kv_heads, cap, dtype=torch.float32, device=key_states.device)
@@ -214,8 +215,8 @@ class BudgetedCache(Cache):
                 raise ValueError("a cache whose allocation varies by layer or head needs kv_heads")
             if evictor.observes_attention:
                 raise ValueError("evictors that observe attention (H2O) do not support varying allocations yet")
-            if getattr(evictor.params, "quantize", None):
-                raise ValueError("quantize does not support varying allocations yet")
+            if getattr(evictor.params, "quantize", None) and evictor.adaptive_heads:
+                raise ValueError("quantize does not support budgets that vary by head yet")
             self.budgets = evictor.allocation(num_layers)
             self.widths = evictor.layer_widths(num_layers, kv_heads)
             rows = rows.with_allocation(num_layers, kv_heads)
@@ -237,6 +238,22 @@ class BudgetedCache(Cache):
         super().__init__(layers=[BudgetedLayer(self, i) for i in range(num_layers)])
         self._write_plan: Optional[WritePlan] = None
         self._layer_plans: Optional[list[WritePlan]] = None  # varying allocations: one plan per layer
+
+    def quant_split(self, layer_idx: int) -> tuple[int, int]:
+        """(quantized slots, full-precision slots including the scratch slot) per (row, KV head)
+        of one layer of a quantized cache: a varying allocation splits each layer's own budget,
+        and its full-precision part holds the rest of the layer's width."""
+        if not self.quant:
+            return 0, 0
+        if not self.varies:
+            return self.quant_capacity, self.fp_capacity
+        quantized = n_quantized(self.budgets[layer_idx], self.quant)
+        return quantized, self.widths[layer_idx] - quantized + 1
+
+    def layer_quantized(self, layer_idx: int) -> torch.Tensor:
+        """[rows] int64: leading slots of each row held quantized in one layer."""
+        nq = self.rows.n_quantized
+        return nq[:, layer_idx] if nq.dim() == 2 else nq
 
     def layer_capacity(self, layer_idx: int) -> int:
         """Slots per (row, KV head) that layer `layer_idx` stores, the scratch slot included."""
@@ -274,7 +291,7 @@ class BudgetedCache(Cache):
         heads = self.head_lengths(layer_idx).index_select(0, rows)  # [R, H]
         n = int(heads.max())
         if self.quant:
-            view = self.view_index(self.rows.n_quantized.index_select(0, rows), n).to(self.device)
+            view = self.view_index(self.layer_quantized(layer_idx).index_select(0, rows), n, layer_idx).to(self.device)
             keys, values = layer.logical(view, dev_rows)
             return keys, values, heads
         if not self.varies:
@@ -362,17 +379,25 @@ class BudgetedCache(Cache):
         """[rows] int64: tokens each row can take before a compaction is due."""
         if not self.evictor.bounded:
             return torch.full_like(self.rows.lengths, 2**62)
+        if self.quant and self.varies:  # the nominal cadence, and each layer's full-precision room
+            room = self.evictor.trigger - self.rows.lengths
+            for layer_idx in range(len(self.layers)):
+                _, fp = self.quant_split(layer_idx)
+                length = self.rows.lengths + self.rows.layer_offset[:, layer_idx]
+                room = torch.minimum(room, fp - 1 - (length - self.layer_quantized(layer_idx)))
+            return room
         if self.quant:
             return self.fp_capacity - 1 - (self.rows.lengths - self.rows.n_quantized)
         return self.evictor.trigger - self.rows.lengths
 
-    def view_index(self, n_quantized: torch.Tensor, span: int) -> torch.Tensor:
+    def view_index(self, n_quantized: torch.Tensor, span: int, layer_idx: int = 0) -> torch.Tensor:
         """[rows, span] int64: where logical slot s of each row is stored in
-        cat(quantized slots [quant_capacity], full-precision slots [fp_capacity])."""
+        cat(quantized slots, full-precision slots) of a layer (`quant_split`)."""
+        quantized, fp = self.quant_split(layer_idx)
         s = torch.arange(span)[None, :]
         nq = n_quantized[:, None]
-        idx = torch.where(s < nq, s, self.quant_capacity + s - nq)
-        return idx.clamp(max=self.quant_capacity + self.fp_capacity - 1)
+        idx = torch.where(s < nq, s, quantized + s - nq)
+        return idx.clamp(max=quantized + fp - 1)
 
     # ------------------------------------------------------------------ forward bookkeeping
 
@@ -441,7 +466,15 @@ class BudgetedCache(Cache):
         query_gather = None
         if self.query_window:
             query_gather = (step_lens[:, None] + torch.arange(self.query_window)[None, :]).to(self.device)
-        return WritePlan(slots.to(self.device), span, None, mask.to(self.device), query_gather)
+        fp_slots = view_index = None
+        if self.quant:
+            nq = self.layer_quantized(layer_idx)
+            fp = self.quant_split(layer_idx)[1]
+            fp_slots = torch.where(slots == scratch, fp - 1, slots - nq[:, None]).to(self.device)
+            if bool((nq > 0).any()):
+                view_index = self.view_index(nq, span, layer_idx).to(self.device)
+        return WritePlan(slots.to(self.device), span, None, mask.to(self.device), query_gather, None, fp_slots,
+                         view_index)
 
     def end_forward(self, step_lens: torch.Tensor) -> None:
         self.rows.lengths = self.rows.lengths + step_lens
@@ -462,6 +495,8 @@ class BudgetedCache(Cache):
         is due when its full-precision region is full: until its quantized store is full, a
         row only moves its oldest key groups there, so eviction still happens at exactly
         `budget + buffer` resident tokens."""
+        if self.quant and self.varies:
+            return self._compact_quantized_layers(rows)
         if self.quant:  # rows whose quantized store is not full yet only quantize (same cadence as unquantized)
             full = self.rows.n_quantized.index_select(0, rows) >= self.quant_capacity
             for r in rows[~full].tolist():
@@ -537,30 +572,74 @@ class BudgetedCache(Cache):
         kept_keys = keys.gather(2, idx.expand(-1, -1, -1, keys.shape[-1])).masked_fill(unused, 0)
         kept_values = values.gather(2, idx.expand(-1, -1, -1, values.shape[-1])).masked_fill(unused, 0)
         width = keep.shape[-1]
-        layer.keys[dev_rows, :, :width] = kept_keys
-        layer.values[dev_rows, :, :width] = kept_values
+        if self.quant:  # the layer's first whole key groups quantized, the rest at full precision
+            quantized = self.quant_split(layer_idx)[0]
+            if quantized:  # a layer whose budget holds no whole key group beyond the residual: all full precision
+                layer.qstore.write(dev_rows, 0, kept_keys[:, :, :quantized], kept_values[:, :, :quantized])
+            layer.keys[dev_rows, :, : width - quantized] = kept_keys[:, :, quantized:]
+            layer.values[dev_rows, :, : width - quantized] = kept_values[:, :, quantized:]
+            r.n_quantized[rows, layer_idx] = quantized
+        else:
+            layer.keys[dev_rows, :, :width] = kept_keys
+            layer.values[dev_rows, :, :width] = kept_values
         counts = (keep >= 0).sum(-1).cpu()  # [R, H]
         longest = counts.max(-1).values  # [R]
         r.hole_start[rows, layer_idx] = counts
         r.hole_end[rows, layer_idx] = longest
         r.layer_offset[rows, layer_idx] = longest - self.evictor.params.budget
 
-    def _quantize_oldest(self, row: int) -> None:
+    def _compact_quantized_layers(self, rows: torch.Tensor) -> None:
+        """A quantized cache whose layers have their own budgets: a row at the nominal
+        `budget + buffer` is evicted (every layer); before that, a layer whose
+        full-precision part is full moves its oldest key groups into its quantized store."""
+        budget = self.evictor.params.budget
+        due = self.rows.lengths.index_select(0, rows) >= self.evictor.trigger
+        for row in rows[~due].tolist():
+            for layer_idx in range(len(self.layers)):
+                quantized, fp = self.quant_split(layer_idx)
+                length = int(self.rows.lengths[row] + self.rows.layer_offset[row, layer_idx])
+                nq = int(self.rows.n_quantized[row, layer_idx])
+                if length - nq >= fp - 1 and nq < quantized:
+                    self._quantize_oldest(row, layer_idx)
+        rows = rows[due]
+        if not len(rows):
+            return
+        generators = [
+            torch.Generator().manual_seed((int(k) * 1_000_003 + int(c)) % 2**63)
+            for k, c in zip(self.rows.rng_keys[rows], self.rows.compactions[rows])
+        ]
+        for layer_idx in range(len(self.layers)):
+            self._compact_varying(layer_idx, rows, generators)
+        self.rows.lengths[rows] = budget
+        self.rows.compactions[rows] += 1
+
+    def _quantize_oldest(self, row: int, layer_idx: Optional[int] = None) -> None:
         """A row whose full-precision region is full but whose quantized store is not: move its
-        oldest whole key groups (all but at least `residual` tokens) into the store."""
+        oldest whole key groups (all but at least `residual` tokens) into the store (every
+        layer, or only `layer_idx` when the layers have budgets of their own)."""
         g = self.quant.group_size
-        nq, length = int(self.rows.n_quantized[row]), int(self.rows.lengths[row])
-        residual = self.evictor.params.budget - self.quant_capacity
-        target = min(self.quant_capacity, (length - residual) // g * g)
+        if layer_idx is None:
+            nq, length = int(self.rows.n_quantized[row]), int(self.rows.lengths[row])
+            budget, capacity, layers = self.evictor.params.budget, self.quant_capacity, self.layers
+        else:
+            nq = int(self.rows.n_quantized[row, layer_idx])
+            length = int(self.rows.lengths[row] + self.rows.layer_offset[row, layer_idx])
+            budget, capacity = self.budgets[layer_idx], self.quant_split(layer_idx)[0]
+            layers = [self.layers[layer_idx]]
+        residual = budget - capacity
+        target = min(capacity, (length - residual) // g * g)
         moved, fp_len = target - nq, length - nq
         if moved <= 0:  # cannot happen while buffer >= group_size (EvictorParams checks it)
             raise RuntimeError("quantized cache: full-precision region full but no whole group to quantize")
         dev = torch.tensor([row], device=self.device)
-        for layer in self.layers:
+        for layer in layers:
             layer.qstore.write(dev, nq, layer.keys[dev, :, :moved], layer.values[dev, :, :moved])
             layer.keys[row, :, : fp_len - moved] = layer.keys[row, :, moved:fp_len].clone()
             layer.values[row, :, : fp_len - moved] = layer.values[row, :, moved:fp_len].clone()
-        self.rows.n_quantized[row] = target
+        if layer_idx is None:
+            self.rows.n_quantized[row] = target
+        else:
+            self.rows.n_quantized[row, layer_idx] = target
 
 
 def new_rows(n: int, rng_keys: Sequence[int] | None = None) -> RowState:
