@@ -207,7 +207,8 @@ def _kib(n):
 
 
 def part_b(runner, args, out):
-    from kvflow.backends.hf.cache import BudgetedCache, new_rows
+    from kvflow.backends.hf.cache import BudgetedCache
+    from kvflow.backends.hf.rows import new_rows
 
     layers, q_heads, kv_heads, head_dim = kv_shape(runner.model)
     dtype = getattr(torch, args.dtype)

@@ -291,7 +291,8 @@ class EvictorContract(ComponentContract):
         a prompt longer than budget + buffer is being ingested."""
         import torch
 
-        from kvflow.backends.hf.cache import BudgetedCache, new_rows
+        from kvflow.backends.hf.cache import BudgetedCache
+        from kvflow.backends.hf.rows import new_rows
 
         runner = _runner("qwen2", "float32")
         ev = self.make(evictor_factory, protect_prompt=True)

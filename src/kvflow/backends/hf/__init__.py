@@ -3,7 +3,9 @@ KV cache (CPU or GPU).
 
 - `engine.py`   `HFRunner`: one loaded model and the forward passes kvflow needs;
 - `decode.py`   `HFEngine`: the engine protocol (step-level continuous decoding);
-- `cache.py`    the budgeted cache (per-row offsets, compaction per layer and KV head);
+- `cache.py`    the budgeted cache (per-row offsets, compaction per layer and KV head), with
+  `rows.py` (host bookkeeping), `allocation.py` (budgets varying by layer or head) and
+  `decode_batch.py` (one decode forward over several caches);
 - `attention.py`, `matmul.py`, `sampling.py`, `quant.py`, `scoring.py`, `prm.py`: the parts.
 
 This module imports no torch: the registry and `kvflow validate` read `HFBackend` cheaply.

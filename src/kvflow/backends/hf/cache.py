@@ -34,53 +34,18 @@ sees each head's tokens gathered contiguously ([0, k_h) then [K_l, length)).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from kvflow.backends.hf.allocation import LayerAllocation
 from kvflow.backends.hf.quant import QuantizedStore
+from kvflow.backends.hf.rows import RowState, WritePlan
 from kvflow.components.base import Evictor
 from kvflow.kv_memory import n_quantized
 
 _GROW = 256  # capacity step for unbounded (full-KV) caches
-
-
-@dataclass
-class RowState:
-    """Per-row bookkeeping shared by every layer. Lives on the host: lengths are known
-    without reading the device, so the decode loop never syncs to learn them."""
-
-    lengths: torch.Tensor  # [rows] int64, resident tokens (equal for every layer and KV head)
-    positions: torch.Tensor  # [rows] int64, logical position of the next token
-    n_protected: torch.Tensor  # [rows] int64, leading slots that are never evicted
-    n_queries: torch.Tensor  # [rows] int64, valid entries at the right end of the query buffer
-    rng_keys: torch.Tensor  # [rows] int64, per-row seed of stochastic evictors
-    compactions: torch.Tensor  # [rows] int64, how many times each row was compacted
-    n_quantized: torch.Tensor  # [rows] int64, leading slots held quantized (0 without `quantize`); [rows, layers] when the allocation varies
-    # varying allocations only (else [rows, 0] and [rows, 0, 0]), see the module docstring:
-    layer_offset: torch.Tensor  # [rows, layers] int64, a layer's length minus the nominal length
-    hole_start: torch.Tensor  # [rows, layers, kv_heads] int64, k_h: head h's kept tokens
-    hole_end: torch.Tensor  # [rows, layers] int64, K_l: where the layer's new tokens start
-
-    def select(self, rows: torch.Tensor) -> "RowState":
-        return RowState(*(getattr(self, f).index_select(0, rows) for f in self.__dataclass_fields__))
-
-    @staticmethod
-    def cat(states: Sequence["RowState"]) -> "RowState":
-        return RowState(*(torch.cat([getattr(s, f) for s in states]) for f in RowState.__dataclass_fields__))
-
-    def with_allocation(self, layers: int, kv_heads: int) -> "RowState":
-        """These rows with per-layer bookkeeping for a varying allocation (zeros where absent:
-        no compaction yet, every head holds every token; `n_quantized` per layer)."""
-        n = len(self.lengths)
-        if self.layer_offset.shape[1:] == (layers,) and self.hole_start.shape[1:] == (layers, kv_heads):
-            return self
-        zeros = torch.zeros(n, layers, dtype=torch.long)
-        return RowState(self.lengths, self.positions, self.n_protected, self.n_queries, self.rng_keys,
-                        self.compactions, zeros.clone(), zeros, torch.zeros(n, layers, kv_heads, dtype=torch.long),
-                        zeros.clone())
 
 
 class BudgetedLayer(CacheLayerMixin):
@@ -188,21 +153,7 @@ class BudgetedLayer(CacheLayerMixin):
         return self.cache.capacity if self.cache.evictor.bounded else -1
 
 
-@dataclass
-class WritePlan:
-    """Where one forward's new tokens go, computed once on the host and shared by all layers."""
-
-    slots: torch.Tensor  # [rows, T] slot of each new token (padding -> scratch slot)
-    span: int  # slots the attention looks at
-    contiguous_at: Optional[int]  # every row writes T real tokens at this same slot
-    mask: Optional[torch.Tensor]  # [rows, 1, T, span] bool, None when plain causal is exact
-    query_gather: Optional[torch.Tensor]  # [rows, W] int64
-    observe_mask: Optional[torch.Tensor] = None  # [rows, T, span] bool, real (query, key) pairs (observing evictors)
-    fp_slots: Optional[torch.Tensor] = None  # [rows, T] full-precision slot of each new token (quantized caches)
-    view_index: Optional[torch.Tensor] = None  # [rows, span] logical -> stored slot (quantized caches, see view_index)
-
-
-class BudgetedCache(Cache):
+class BudgetedCache(LayerAllocation, Cache):
     """The KV cache of one proposer batch. See the module docstring."""
 
     def __init__(self, evictor: Evictor, num_layers: int, rows: RowState, device: torch.device,
@@ -446,36 +397,6 @@ class BudgetedCache(Cache):
                                      fp_slots, view_index)
         return self._write_plan
 
-    def _layer_plan(self, layer_idx: int, step_lens: torch.Tensor, width: int) -> WritePlan:
-        """A varying allocation's plan for one layer: the layer's own lengths, and each head's
-        hole [k_h, K_l) masked (mask [rows, kv_heads, T, span] once any row has a hole)."""
-        r = self.rows
-        lengths = r.lengths + r.layer_offset[:, layer_idx]  # [rows]
-        scratch = self.layer_capacity(layer_idx) - 1
-        t = torch.arange(width)
-        slots = torch.where(t[None, :] < step_lens[:, None], lengths[:, None] + t[None, :], scratch)
-        span = int((lengths + step_lens).max())
-        key = torch.arange(span)
-        mask = key[None, None, :] <= (lengths[:, None, None] + t[None, :, None])  # [rows, T, span]
-        start, end = r.hole_start[:, layer_idx], r.hole_end[:, layer_idx]  # [rows, H], [rows]
-        if bool((end[:, None] > start).any()):
-            hole = (key[None, None, :] >= start[..., None]) & (key[None, None, :] < end[:, None, None])  # [rows, H, span]
-            mask = mask[:, None] & ~hole[:, :, None]  # [rows, H, T, span]
-        else:
-            mask = mask[:, None]
-        query_gather = None
-        if self.query_window:
-            query_gather = (step_lens[:, None] + torch.arange(self.query_window)[None, :]).to(self.device)
-        fp_slots = view_index = None
-        if self.quant:
-            nq = self.layer_quantized(layer_idx)
-            fp = self.quant_split(layer_idx)[1]
-            fp_slots = torch.where(slots == scratch, fp - 1, slots - nq[:, None]).to(self.device)
-            if bool((nq > 0).any()):
-                view_index = self.view_index(nq, span, layer_idx).to(self.device)
-        return WritePlan(slots.to(self.device), span, None, mask.to(self.device), query_gather, None, fp_slots,
-                         view_index)
-
     def end_forward(self, step_lens: torch.Tensor) -> None:
         self.rows.lengths = self.rows.lengths + step_lens
         self.rows.positions = self.rows.positions + step_lens
@@ -553,66 +474,6 @@ class BudgetedCache(Cache):
         if self.quant:
             self.rows.n_quantized[rows] = self.quant_capacity
 
-    def _compact_varying(self, layer_idx: int, rows: torch.Tensor, generators) -> None:
-        """One layer of a varying allocation: each head's tokens gathered contiguously, the
-        evictor's kept slots (k_h per head) written to slots [0, k_h), the hole recorded."""
-        layer, r = self.layers[layer_idx], self.rows
-        keys, values, heads = self.resident(layer_idx, rows)  # [R, H, N, D], [R, H]
-        dev_rows = rows.to(self.device)
-        queries = layer.queries.index_select(0, dev_rows) if layer.queries is not None else None
-        extra = {"head_lengths": heads} if self.evictor.adaptive_heads else {}
-        keep = self.evictor.select(
-            keys, values, queries, layer_idx=layer_idx, lengths=heads.max(-1).values,
-            n_protected=r.n_protected.index_select(0, rows), generators=generators,
-            budget=self.budgets[layer_idx], **extra,
-        )  # [R, H, K]; adaptive: -1 past a head's k_h
-        keep = keep.to(self.device)
-        idx = keep.clamp(min=0)[..., None]
-        unused = (keep < 0)[..., None]
-        kept_keys = keys.gather(2, idx.expand(-1, -1, -1, keys.shape[-1])).masked_fill(unused, 0)
-        kept_values = values.gather(2, idx.expand(-1, -1, -1, values.shape[-1])).masked_fill(unused, 0)
-        width = keep.shape[-1]
-        if self.quant:  # the layer's first whole key groups quantized, the rest at full precision
-            quantized = self.quant_split(layer_idx)[0]
-            if quantized:  # a layer whose budget holds no whole key group beyond the residual: all full precision
-                layer.qstore.write(dev_rows, 0, kept_keys[:, :, :quantized], kept_values[:, :, :quantized])
-            layer.keys[dev_rows, :, : width - quantized] = kept_keys[:, :, quantized:]
-            layer.values[dev_rows, :, : width - quantized] = kept_values[:, :, quantized:]
-            r.n_quantized[rows, layer_idx] = quantized
-        else:
-            layer.keys[dev_rows, :, :width] = kept_keys
-            layer.values[dev_rows, :, :width] = kept_values
-        counts = (keep >= 0).sum(-1).cpu()  # [R, H]
-        longest = counts.max(-1).values  # [R]
-        r.hole_start[rows, layer_idx] = counts
-        r.hole_end[rows, layer_idx] = longest
-        r.layer_offset[rows, layer_idx] = longest - self.evictor.params.budget
-
-    def _compact_quantized_layers(self, rows: torch.Tensor) -> None:
-        """A quantized cache whose layers have their own budgets: a row at the nominal
-        `budget + buffer` is evicted (every layer); before that, a layer whose
-        full-precision part is full moves its oldest key groups into its quantized store."""
-        budget = self.evictor.params.budget
-        due = self.rows.lengths.index_select(0, rows) >= self.evictor.trigger
-        for row in rows[~due].tolist():
-            for layer_idx in range(len(self.layers)):
-                quantized, fp = self.quant_split(layer_idx)
-                length = int(self.rows.lengths[row] + self.rows.layer_offset[row, layer_idx])
-                nq = int(self.rows.n_quantized[row, layer_idx])
-                if length - nq >= fp - 1 and nq < quantized:
-                    self._quantize_oldest(row, layer_idx)
-        rows = rows[due]
-        if not len(rows):
-            return
-        generators = [
-            torch.Generator().manual_seed((int(k) * 1_000_003 + int(c)) % 2**63)
-            for k, c in zip(self.rows.rng_keys[rows], self.rows.compactions[rows])
-        ]
-        for layer_idx in range(len(self.layers)):
-            self._compact_varying(layer_idx, rows, generators)
-        self.rows.lengths[rows] = budget
-        self.rows.compactions[rows] += 1
-
     def _quantize_oldest(self, row: int, layer_idx: Optional[int] = None) -> None:
         """A row whose full-precision region is full but whose quantized store is not: move its
         oldest whole key groups (all but at least `residual` tokens) into the store (every
@@ -640,84 +501,3 @@ class BudgetedCache(Cache):
             self.rows.n_quantized[row] = target
         else:
             self.rows.n_quantized[row, layer_idx] = target
-
-
-def new_rows(n: int, rng_keys: Sequence[int] | None = None) -> RowState:
-    zeros = torch.zeros(n, dtype=torch.long)
-    keys = torch.as_tensor(list(rng_keys) if rng_keys is not None else [0] * n, dtype=torch.long)
-    return RowState(zeros.clone(), zeros.clone(), zeros.clone(), zeros.clone(), keys, zeros.clone(), zeros.clone(),
-                    torch.zeros(n, 0, dtype=torch.long), torch.zeros(n, 0, 0, dtype=torch.long),
-                    torch.zeros(n, 0, dtype=torch.long))
-
-
-class DecodeBatch(Cache):
-    """One decode forward over the live rows of several caches of one model ("parts": the
-    candidate rows of every proposal being decoded, whatever proposer they belong to).
-
-    The model runs on the live rows only ([L, 1] tokens, L = live rows of all parts); each
-    part keeps its own storage, evictor and bookkeeping, and attention runs part by part over
-    that part's own span (`attend()`, called by kvflow's attention function), so nothing is
-    padded to another part's length or copied into a joint tensor. A part's rows that have
-    ended stay where they are (their state is kept for adoption): their pending write goes to
-    the part's scratch slot and their attention output is dropped.
-    """
-
-    def __init__(self, parts: Sequence[tuple[BudgetedCache, torch.Tensor]]) -> None:
-        # parts: (cache, live rows of that cache [k] int64, ascending)
-        self.parts = []
-        for cache, live in parts:
-            full = len(live) == cache.n_rows
-            step_lens = torch.zeros(cache.n_rows, dtype=torch.long)
-            step_lens[live] = 1
-            cache.begin_forward(step_lens, 1)
-            self.parts.append((cache, live.to(cache.device), full, step_lens))
-        self.counts = [len(live) for _, live in parts]
-        super().__init__(layers=[_DecodeLayer() for _ in range(len(parts[0][0].layers))])
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        return key_states, value_states  # written part by part in attend()
-
-    def attend(self, attention, module, query, key, value, **kwargs):
-        """Write each part's new keys and values and attend over the part's own slots.
-
-        query: [L, q_heads, 1, D]; key, value: [L, kv_heads, 1, D] (post-RoPE, live rows in
-        part order); attention: the sdpa forward; returns ([L, 1, q_heads, D], None)."""
-        layer_idx = module.layer_idx
-        scaling = kwargs.get("scaling") or getattr(module, "scaling", None) or query.shape[-1] ** -0.5
-        outs = []
-        for (cache, live, full, _), q, k, v in zip(self.parts, query.split(self.counts), key.split(self.counts),
-                                                   value.split(self.counts)):
-            if not full:  # ended rows get zeros: a scratch-slot write and an output that is dropped
-                q, k, v = (x.new_zeros(cache.n_rows, *x.shape[1:]).index_copy_(0, live, x) for x in (q, k, v))
-            layer = cache.layers[layer_idx]
-            keys, values = layer.update(k, v)
-            if cache.query_window:
-                layer.record_queries(q)
-            if cache.observes:
-                layer.observe(q, keys, scaling, layer_idx)
-            out, _ = attention(module, q, keys, values, cache.attention_mask(layer_idx, q.shape[1]), **kwargs)  # [rows, 1, heads, D]
-            outs.append(out if full else out.index_select(0, live))
-        return torch.cat(outs), None
-
-    def end_forward(self) -> None:
-        for cache, _, _, step_lens in self.parts:
-            cache.end_forward(step_lens)
-
-
-class _DecodeLayer(CacheLayerMixin):
-    """Placeholder layer: storage lives in the parts of the DecodeBatch."""
-
-    def lazy_initialization(self, key_states, value_states) -> None:
-        pass
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        return key_states, value_states
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return 1, 0
-
-    def get_seq_length(self) -> int:
-        return 0
-
-    def get_max_length(self) -> int:
-        return -1

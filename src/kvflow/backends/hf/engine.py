@@ -14,7 +14,9 @@ from typing import Optional, Sequence
 import torch
 
 from kvflow.backends.hf.attention import kvflow_attention_enabled
-from kvflow.backends.hf.cache import BudgetedCache, DecodeBatch, new_rows
+from kvflow.backends.hf.cache import BudgetedCache
+from kvflow.backends.hf.decode_batch import DecodeBatch
+from kvflow.backends.hf.rows import new_rows
 from kvflow.backends.hf.matmul import fp32_linear, fp32_min_tokens
 from kvflow.components.base import Evictor
 from kvflow.models.loading import eos_token_ids
