@@ -11,6 +11,7 @@ from kvflow.components.allocation import adaptive_keep, pyramid_budgets
 from kvflow.kv_memory import layout
 from kvflow.testing.evictor_contract import PROMPTS, decode
 from kvflow.testing.models import tiny_runner
+from kvflow.testing.composed import AdaH2O, PyramidH2O
 from kvflow_builtin.evictors.ada_snapkv import AdaSnapKVEvictor
 from kvflow_builtin.evictors.pyramidkv import PyramidKVEvictor
 from kvflow_builtin.evictors.snapkv import SnapKVEvictor
@@ -115,9 +116,10 @@ def test_ada_snapkv_matches_loops():
     assert (counts.sum(-1) == 12).all() and len(set(counts.flatten().tolist())) > 1, "the heads should differ"
 
 
-def test_ada_snapkv_scores_each_head_over_its_own_length():
-    """After an adaptive compaction the heads hold different lengths: each head's window is its
-    own newest tokens, and a padding slot of a shorter head is never kept."""
+def test_adaptive_evictors_score_each_head_over_its_own_length():
+    """After an adaptive compaction the heads hold different lengths: each head is scored on
+    its own valid slots (its window is its own newest tokens; a shorter head's stale slots
+    are never kept), exactly as that head alone would be."""
     ev = AdaSnapKVEvictor(AdaSnapKVEvictor.Params(budget=6, buffer=10, window=3))
     keys, values, queries = random_case(5, rows=1)
     head_lengths = torch.tensor([[16, 11]])
@@ -128,6 +130,43 @@ def test_ada_snapkv_scores_each_head_over_its_own_length():
     got = [set(x for x in keep[0, h].tolist() if x >= 0) for h in range(2)]
     assert {13, 14, 15} <= got[0] and {8, 9, 10} <= got[1]
     assert max(got[1]) < 11
+    p = ev.params
+    for h, n in enumerate((16, 11)):  # each head's scores are SnapKV's over that head alone
+        plain = SnapKVEvictor(SnapKVEvictor.Params(budget=6, buffer=10, window=3))
+        alone = plain.score(keys[:, h : h + 1], values[:, h : h + 1], queries[:, 2 * h : 2 * h + 2], layer_idx=0,
+                            lengths=torch.tensor([n]), n_protected=torch.zeros(1, dtype=torch.long),
+                            generators=[torch.Generator()])
+        imp = ref_importance(keys[0, h : h + 1].double().numpy(), queries[0, 2 * h : 2 * h + 2].double().numpy(), n,
+                             3, 2, gqa=p.gqa, softmax_keys=p.softmax_keys, pooling=p.pooling, kernel=p.kernel)
+        torch.testing.assert_close(alone[0, 0, : n - 3].double(), torch.tensor(imp[0]), rtol=1e-5, atol=1e-6)
+
+
+def test_any_scorer_composes_with_adaptive_heads():
+    """A plugin's scorer that knows nothing of per-head lengths gets a row's own valid slots:
+    R-KV with the AdaptiveHeads mixin keeps the window of every head and no stale slot."""
+    from kvflow.components.allocation import AdaptiveHeads, AdaptiveParams
+    from kvflow_builtin.evictors.rkv import RKVEvictor, RKVParams
+
+    class AdaRKVParams(AdaptiveParams, RKVParams):
+        pass
+
+    class AdaRKV(AdaptiveHeads, RKVEvictor):
+        Params = AdaRKVParams
+
+    ev = AdaRKV(AdaRKV.Params(budget=6, buffer=10, window=3))
+    keys, values, queries = random_case(6, rows=1)
+    keys[0, 0, 9:] = 1e3
+    keep = ev.select(keys, values, queries, layer_idx=0, lengths=torch.tensor([16]),
+                     n_protected=torch.zeros(1, dtype=torch.long), generators=[torch.Generator()],
+                     head_lengths=torch.tensor([[9, 16]]))
+    got = [set(x for x in keep[0, h].tolist() if x >= 0) for h in range(2)]
+    assert {6, 7, 8} <= got[0] and max(got[0]) < 9 and {13, 14, 15} <= got[1]
+    assert len(got[0]) + len(got[1]) == 12
+    runner = tiny_runner("llama")
+    batch_tokens, _ = decode(runner, ev, PROMPTS, 24)
+    for r, prompt in enumerate(PROMPTS):
+        alone, _ = decode(runner, ev, [prompt], 24, seeds=[[11, 22, 33][r]])
+        assert alone[0] == batch_tokens[r]
 
 
 # --------------------------------------------------------------------------- the hf cache
@@ -225,3 +264,48 @@ def test_quantize_with_head_budgets_is_refused_with_the_field(cli):
     assert out.exit_code == 2, out.output
     assert "proposers.base.evictor" in out.output and "quantize does not combine" in out.output
     assert "Traceback" not in out.output
+
+
+@pytest.mark.parametrize("cls", [AdaH2O, PyramidH2O])
+def test_an_observing_evictor_composes_with_both_allocations(cls):
+    """H2O's statistic moves with each head's kept tokens and never counts a hole: batched ==
+    alone, totals exact, and the statistic of a hole slot stays zero."""
+    runner = tiny_runner("qwen2")
+    ev = cls(cls.Params(budget=10, buffer=5, window=2))
+    tokens, cache = decode(runner, ev, PROMPTS, 24)
+    for i, b in enumerate(ev.allocation(runner.num_layers)):
+        kept = cache.head_lengths(i) - (cache.rows.lengths - 10)[:, None]
+        assert (kept.sum(-1) == 2 * b).all()
+        stats, r = cache.layers[i].stats, cache.rows
+        for row in range(cache.n_rows):
+            for h in range(2):
+                assert not stats[row, h, int(r.hole_start[row, i, h]):int(r.hole_end[row, i])].any()
+    for row, prompt in enumerate(PROMPTS):
+        alone, _ = decode(runner, ev, [prompt], 24, seeds=[[11, 22, 33][row]])
+        assert alone[0] == tokens[row]
+
+
+@pytest.mark.parametrize("cls", [AdaH2O, PyramidH2O])
+def test_an_observing_evictor_with_a_varying_allocation_on_sglang_equals_hf(cls, tmp_path):
+    """Same tokens, log-probabilities and kept keys as hf; and in the scheduler's snapshot the
+    statistic of every hole slot is zero (the hole is masked out of what H2O observes)."""
+    from kvflow.testing.engine_parity import assert_same_as_hf, greedy_steps, load_engine
+
+    ev = cls(cls.Params(budget=16, buffer=8, window=4))
+    assert_same_as_hf("sglang", ev, tmp_path)
+    engine = load_engine("sglang")
+    engine.dump_dir = str(tmp_path)
+    try:
+        _, state = greedy_steps(engine, ev)
+    finally:
+        engine.dump_dir = None
+    snap = torch.load(tmp_path / f"{state.snap}.pt")
+    holes, end = snap["holes"], snap["base"] + 16
+    assert holes is not None
+    if cls is PyramidH2O:  # every layer but the first has a hole (Ada-KV's heads may end up even)
+        assert (holes < end).any(), "the scenario should leave holes"
+    for layer in range(holes.shape[0]):
+        for h in range(holes.shape[1]):
+            assert not snap["stats"][layer, h, int(holes[layer, h]):end].any()
+    engine.release([state])
+

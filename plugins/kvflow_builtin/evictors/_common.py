@@ -22,8 +22,6 @@ def window_attention(keys, queries, lengths, *, gqa: GqaReduce, softmax_keys: So
     """Attention the last W queries pay to each older token, averaged over the W queries.
 
     keys:    [rows, kv_heads, N, d] (post-RoPE), slots >= lengths[row] are padding
-    lengths: [rows], or [rows, kv_heads] when each head has its own resident length (after an
-             adaptive compaction: head h's slots >= lengths[row, h] are padding)
     queries: [rows, q_heads, W, d], the queries of each row's W newest cached tokens
     gqa:     "max" -> max over the g query heads of a KV head on the raw logits, before the
              softmax (R-KV's rule); "mean" -> one softmax per query head (reduced later by
@@ -43,21 +41,16 @@ def window_attention(keys, queries, lengths, *, gqa: GqaReduce, softmax_keys: So
     if gqa == "max":
         logits = logits.amax(dim=2, keepdim=True)
     slot = torch.arange(n, device=keys.device)
-    older_end = (_per_head(lengths).to(keys.device) - w)[:, :, None]  # [rows, 1 or kv, 1]: first slot of the window
-    older = slot < older_end  # [rows, 1 or kv, N]
+    older_end = (lengths.to(keys.device) - w)[:, None]  # [rows, 1]: first slot of the window
+    older = slot[None, :] < older_end  # [rows, N]
     if softmax_keys == "older":
-        allowed = older[:, :, None, None, :]  # [rows, 1 or kv, 1, 1, N]
+        allowed = older[:, None, :]  # [rows, 1, N]
     else:  # query i sits at slot L - W + i and sees every slot up to itself
-        qpos = older_end + torch.arange(w, device=keys.device)  # [rows, 1 or kv, W]
-        allowed = (slot <= qpos[..., None])[:, :, None]  # [rows, 1 or kv, 1, W, N]
-    logits = logits.masked_fill(~allowed, float("-inf"))
+        qpos = older_end + torch.arange(w, device=keys.device)[None, :]  # [rows, W]
+        allowed = slot[None, None, :] <= qpos[:, :, None]  # [rows, W, N]
+    logits = logits.masked_fill(~allowed[:, None, None], float("-inf"))
     probs = torch.softmax(logits, dim=-1).nan_to_num(0.0).mean(dim=3)  # [rows, kv, G, N]; L <= W rows: 0
-    return probs * older[:, :, None, :]
-
-
-def _per_head(lengths):
-    """[rows] -> [rows, 1]; [rows, kv_heads] unchanged."""
-    return lengths[:, None] if lengths.dim() == 1 else lengths
+    return probs * older[:, None, None, :]
 
 
 def pool(x, pooling: Pooling, kernel: int):
@@ -86,8 +79,8 @@ def attention_signal(keys, queries, lengths, *, gqa: GqaReduce, softmax_keys: So
     att = window_attention(keys, queries, lengths, gqa=gqa, softmax_keys=softmax_keys)
     att = pool(att, pooling, kernel)
     w = queries.shape[2]
-    older = torch.arange(keys.shape[2], device=keys.device) < (_per_head(lengths).to(keys.device) - w)[:, :, None]
-    return reduce_group(att) * older
+    older = torch.arange(keys.shape[2], device=keys.device)[None, :] < (lengths.to(keys.device) - w)[:, None]
+    return reduce_group(att) * older[:, None, :]
 
 
 def row_uniforms(generators, lengths, kv_heads: int, n: int, device):

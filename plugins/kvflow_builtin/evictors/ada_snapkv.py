@@ -16,10 +16,11 @@ head (kv_heads x budget - (kv_heads - 1) x the floor, or `head_cap` x budget), s
 allocated per sequence is larger than the kept bytes; `kvflow explain` shows both.
 Compactions happen for all heads at once, every `buffer` tokens.
 
-Shapes: keys [rows, kv_heads, N, head_dim], queries [rows, q_heads, W, head_dim],
-head_lengths [rows, kv_heads] (each head's resident tokens, which differ after the first
-compaction) -> scores [rows, kv_heads, N]; `select()` returns [rows, kv_heads,
-head_capacity]: head h's kept slots ascending, then -1.
+Shapes: as `snapkv` (keys [rows, kv_heads, N, head_dim], queries [rows, q_heads, W,
+head_dim] -> scores [rows, kv_heads, N]), but scored one KV head at a time: after the first
+compaction the heads hold different lengths, and the base class calls `score()` per head
+with that head's own length (kv_heads = 1, its g query heads). `select()` returns [rows,
+kv_heads, head_capacity]: head h's kept slots ascending, then -1.
 """
 
 from __future__ import annotations

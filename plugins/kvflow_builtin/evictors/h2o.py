@@ -50,7 +50,8 @@ class H2OEvictor(Evictor):
         g = q_heads // kv_heads
         q = query.float().reshape(rows, kv_heads, g * t, d)
         logits = torch.matmul(q, keys.float().transpose(-1, -2)).mul_(scaling)  # [rows, kv, g*T, span]
-        logits = logits.view(rows, kv_heads, g, t, span).masked_fill_(~mask[:, None, None], float("-inf"))
+        allowed = mask[:, None, None] if mask.dim() == 3 else mask[:, :, None]  # [rows, 1 or kv, 1, T, span]
+        logits = logits.view(rows, kv_heads, g, t, span).masked_fill_(~allowed, float("-inf"))
         probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)  # padding queries: all -inf -> 0
         stats.add_(probs.sum(dim=(2, 3)))
 

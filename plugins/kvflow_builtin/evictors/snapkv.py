@@ -59,7 +59,7 @@ class SnapKVEvictor(Evictor):
     def query_window(self) -> int:
         return self.params.window
 
-    def score(self, keys, values, queries, *, layer_idx, lengths, generators, head_lengths=None, **kwargs):
+    def score(self, keys, values, queries, *, layer_idx, lengths, generators, **kwargs):
         p = self.params
-        return attention_signal(keys, queries, lengths if head_lengths is None else head_lengths, gqa=p.gqa, softmax_keys=p.softmax_keys,
+        return attention_signal(keys, queries, lengths, gqa=p.gqa, softmax_keys=p.softmax_keys,
                                 pooling=p.pooling, kernel=p.kernel)

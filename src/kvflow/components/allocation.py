@@ -105,12 +105,6 @@ def kept_counts(keep: "torch.Tensor") -> "torch.Tensor":
 # --------------------------------------------------------------------------- mixins
 
 
-def _refuse_observing(cls) -> None:
-    if getattr(cls, "observes_attention", False):
-        raise TypeError(f"{cls.__name__}: evictors that observe attention (H2O's statistic) do not combine with "
-                        "varying allocations yet")
-
-
 def _no_quantize(params):
     if getattr(params, "quantize", None) is not None:
         raise ValueError("quantize does not combine with budgets that vary by head yet (the quantized store "
@@ -128,10 +122,6 @@ class PyramidParams(EvictorParams):
 class PyramidLayers:
     """Mixin: PyramidKV's per-layer budgets (see `pyramid_budgets`). Put it before the scoring
     evictor: `class PyramidSnapKV(PyramidLayers, SnapKVEvictor)`."""
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        _refuse_observing(cls)
 
     def layer_budgets(self, num_layers: int) -> list[int]:
         p = self.params
@@ -153,10 +143,6 @@ class AdaptiveHeads:
     scoring evictor: `class AdaSnapKV(AdaptiveHeads, SnapKVEvictor)`."""
 
     adaptive_heads = True
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        _refuse_observing(cls)
 
     def head_floor(self, layer_budget: int) -> int:
         return int(self.params.safeguard * layer_budget)

@@ -276,7 +276,8 @@ class Evictor:
         query: [rows, q_heads, T, head_dim] the forward's post-RoPE queries (right padded)
         keys:  [rows, kv_heads, span, head_dim] cached keys, the new ones included
         mask:  [rows, T, span] bool, True where query t of the row may attend to the slot
-               (padding queries have an all-False row)
+               (padding queries have an all-False row); [rows, kv_heads, T, span] when the
+               heads' slots differ (a varying allocation leaves each head a hole of evicted slots)
         scaling: the model's softmax scale (usually 1/sqrt(head_dim))
         """
         raise NotImplementedError
@@ -328,22 +329,32 @@ class Evictor:
         highest scores, forced slots first; among equal scores the earlier slot is kept.
 
         budget: this layer's (`layer_budgets()`; default `params.budget`). head_lengths:
-        [rows, kv_heads] resident tokens per head when they differ (after an adaptive
-        compaction; head h's slots >= head_lengths[row, h] are padding); `score()` gets it too.
-        Adaptive evictors return [rows, kv_heads, head_capacity] instead: head h's k_h kept
-        slots ascending, then -1 (see `kvflow.components.allocation.adaptive_keep`)."""
+        [rows, kv_heads] resident tokens per head, which differ after an adaptive compaction
+        (head h's slots >= head_lengths[row, h] are padding). Adaptive evictors score each KV
+        head on its own (`score()` with kv_heads = 1, that head's query heads and
+        `lengths = head_lengths[:, h]`), so any scorer sees a row's own valid slots, and return
+        [rows, kv_heads, head_capacity]: head h's k_h kept slots ascending, then -1 (see
+        `kvflow.components.allocation.adaptive_keep`)."""
         rows, kv_heads, n, _ = keys.shape
         budget = self.params.budget if budget is None else budget
-        extra = {"stats": stats} if self.observes_attention else {}
-        if head_lengths is not None:
-            extra["head_lengths"] = head_lengths
         if budget < self.params.budget:  # a smaller layer budget protects what still fits
             n_protected = n_protected.clamp(max=max(0, budget - self.params.window - 1))
-        scores = self.score(keys, values, queries, layer_idx=layer_idx, lengths=lengths, n_protected=n_protected,
-                            generators=generators, **extra)
-        scores = scores.float().clone()
+        if self.adaptive_heads:
+            per_head = lengths[:, None].expand(-1, kv_heads) if head_lengths is None else head_lengths
+            g = queries.shape[1] // kv_heads if queries is not None else 0
+            scores = torch.cat([
+                self.score(keys[:, h : h + 1], values[:, h : h + 1],
+                           queries[:, h * g : (h + 1) * g] if queries is not None else None, layer_idx=layer_idx,
+                           lengths=per_head[:, h].contiguous(), n_protected=n_protected, generators=generators,
+                           **({"stats": stats[:, h : h + 1]} if self.observes_attention else {})).float()
+                for h in range(kv_heads)], dim=1)
+        else:
+            per_head = lengths[:, None]
+            extra = {"stats": stats} if self.observes_attention else {}
+            scores = self.score(keys, values, queries, layer_idx=layer_idx, lengths=lengths,
+                                n_protected=n_protected, generators=generators, **extra).float()
+        scores = scores.clone()
         slot = torch.arange(n, device=keys.device)[None, None, :]  # [1, 1, N]
-        per_head = lengths[:, None] if head_lengths is None else head_lengths
         length = per_head.to(keys.device)[:, :, None]  # [rows, kv_heads or 1, 1]
         valid = slot < length
         always = (slot >= length - self.params.window) | (slot < n_protected.to(keys.device)[:, None, None])

@@ -29,13 +29,15 @@ class LayerAllocation:
         slots = torch.where(t[None, :] < step_lens[:, None], lengths[:, None] + t[None, :], scratch)
         span = int((lengths + step_lens).max())
         key = torch.arange(span)
-        mask = key[None, None, :] <= (lengths[:, None, None] + t[None, :, None])  # [rows, T, span]
+        causal = key[None, None, :] <= (lengths[:, None, None] + t[None, :, None])  # [rows, T, span]
+        real = causal & (t[None, :, None] < step_lens[:, None, None])  # the pairs an observer counts
         start, end = r.hole_start[:, layer_idx], r.hole_end[:, layer_idx]  # [rows, H], [rows]
         if bool((end[:, None] > start).any()):
             hole = (key[None, None, :] >= start[..., None]) & (key[None, None, :] < end[:, None, None])  # [rows, H, span]
-            mask = mask[:, None] & ~hole[:, :, None]  # [rows, H, T, span]
+            mask = causal[:, None] & ~hole[:, :, None]  # [rows, H, T, span]
+            real = real[:, None] & ~hole[:, :, None]
         else:
-            mask = mask[:, None]
+            mask = causal[:, None]
         query_gather = None
         if self.query_window:
             query_gather = (step_lens[:, None] + torch.arange(self.query_window)[None, :]).to(self.device)
@@ -46,8 +48,9 @@ class LayerAllocation:
             fp_slots = torch.where(slots == scratch, fp - 1, slots - nq[:, None]).to(self.device)
             if bool((nq > 0).any()):
                 view_index = self.view_index(nq, span, layer_idx).to(self.device)
-        return WritePlan(slots.to(self.device), span, None, mask.to(self.device), query_gather, None, fp_slots,
-                         view_index)
+        observe_mask = real.to(self.device) if self.observes else None  # [rows, (H,) T, span]
+        return WritePlan(slots.to(self.device), span, None, mask.to(self.device), query_gather, observe_mask,
+                         fp_slots, view_index)
 
     def _compact_varying(self, layer_idx: int, rows: torch.Tensor, generators) -> None:
         """One layer of a varying allocation: each head's tokens gathered contiguously, the
@@ -56,13 +59,20 @@ class LayerAllocation:
         keys, values, heads = self.resident(layer_idx, rows)  # [R, H, N, D], [R, H]
         dev_rows = rows.to(self.device)
         queries = layer.queries.index_select(0, dev_rows) if layer.queries is not None else None
+        stats = None
+        if layer.stats is not None:  # gathered like the keys: each head's tokens in time order
+            stats = layer.stats.index_select(0, dev_rows).gather(
+                2, self.head_index(layer_idx, rows, keys.shape[2]).to(self.device))
         extra = {"head_lengths": heads} if self.evictor.adaptive_heads else {}
         keep = self.evictor.select(
             keys, values, queries, layer_idx=layer_idx, lengths=heads.max(-1).values,
-            n_protected=r.n_protected.index_select(0, rows), generators=generators,
+            n_protected=r.n_protected.index_select(0, rows), generators=generators, stats=stats,
             budget=self.budgets[layer_idx], **extra,
         )  # [R, H, K]; adaptive: -1 past a head's k_h
         keep = keep.to(self.device)
+        if stats is not None:
+            kept = stats.gather(2, keep.clamp(min=0)).masked_fill(keep < 0, 0.0)
+            layer.stats[dev_rows] = torch.nn.functional.pad(kept, (0, layer.stats.shape[2] - kept.shape[2]))
         idx = keep.clamp(min=0)[..., None]
         unused = (keep < 0)[..., None]
         kept_keys = keys.gather(2, idx.expand(-1, -1, -1, keys.shape[-1])).masked_fill(unused, 0)

@@ -132,7 +132,7 @@ class BudgetedLayer(CacheLayerMixin):
 
     def observe(self, query: torch.Tensor, keys: torch.Tensor, scaling: float, layer_idx: int) -> None:
         """Let the evictor update the per-token statistic. keys: [rows, kv_heads, span, head_dim]."""
-        plan = self.cache._write_plan
+        plan = self.cache.plan(self.index)
         self.cache.evictor.observe(self.stats[:, :, : plan.span], query, keys, plan.observe_mask,
                                    layer_idx=layer_idx, scaling=scaling)
 
@@ -164,8 +164,6 @@ class BudgetedCache(LayerAllocation, Cache):
         if self.varies:
             if kv_heads is None:
                 raise ValueError("a cache whose allocation varies by layer or head needs kv_heads")
-            if evictor.observes_attention:
-                raise ValueError("evictors that observe attention (H2O) do not support varying allocations yet")
             if getattr(evictor.params, "quantize", None) and evictor.adaptive_heads:
                 raise ValueError("quantize does not support budgets that vary by head yet")
             self.budgets = evictor.allocation(num_layers)
@@ -247,16 +245,20 @@ class BudgetedCache(LayerAllocation, Cache):
             return keys, values, heads
         if not self.varies:
             return layer.keys.index_select(0, dev_rows)[:, :, :n], layer.values.index_select(0, dev_rows)[:, :, :n], heads
-        r = self.rows
-        start = r.hole_start[:, layer_idx].index_select(0, rows)  # [R, H]
-        gap = r.hole_end[:, layer_idx].index_select(0, rows)[:, None] - start  # [R, H]
-        j = torch.arange(n)[None, None, :]
-        idx = (j + (j >= start[..., None]) * gap[..., None]).clamp(max=self.layer_capacity(layer_idx) - 2)
-        idx = idx.to(self.device)[..., None]
+        idx = self.head_index(layer_idx, rows, n).to(self.device)[..., None]
         keys = layer.keys.index_select(0, dev_rows)
         values = layer.values.index_select(0, dev_rows)
         return (keys.gather(2, idx.expand(-1, -1, -1, keys.shape[-1])),
                 values.gather(2, idx.expand(-1, -1, -1, values.shape[-1])), heads)
+
+    def head_index(self, layer_idx: int, rows: torch.Tensor, n: int) -> torch.Tensor:
+        """[R, kv_heads, n] int64 (host): the stored slot of each head's j-th resident token
+        under a varying allocation (the head's hole skipped; past its length: padding)."""
+        r = self.rows
+        start = r.hole_start[:, layer_idx].index_select(0, rows)  # [R, H]
+        gap = r.hole_end[:, layer_idx].index_select(0, rows)[:, None] - start  # [R, H]
+        j = torch.arange(n)[None, None, :]
+        return (j + (j >= start[..., None]) * gap[..., None]).clamp(max=self.layer_capacity(layer_idx) - 2)
 
     # ------------------------------------------------------------------ rows
 

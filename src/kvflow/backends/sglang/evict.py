@@ -98,7 +98,7 @@ class Live:
     offset: int  # logical position - row position
     save_as: Optional[str]
     queries: Optional[list] = None  # per layer [q_heads, W, D]
-    stats: Optional[list] = None  # per layer [kv_heads, trigger + 1] float32
+    stats: Optional[list] = None  # per layer [kv_heads, stats_width] float32
     pending: int = 0  # tokens the current forward appends (set in init_new)
     dump: Optional[str] = None  # a directory to save the snapshot in (torch.save), if asked
     source: Optional[Snapshot] = None  # the snapshot still to be put into the request's slots
@@ -109,6 +109,11 @@ class Live:
     def nominal(self) -> int:
         """The budget plus the tokens since the last compaction (what the trigger counts)."""
         return self.resident - self.base
+
+    def stats_width(self, layers: int, kv_heads: int) -> int:
+        """Slots H2O's statistic needs per head: the longest row (+1), as the hf cache's."""
+        ev = self.evictor
+        return (max(ev.layer_widths(layers, kv_heads)) if ev.varies(layers) else ev.trigger) + 1
 
     def has_holes(self) -> bool:
         return self.holes is not None and bool((self.holes < self.base + self.evictor.params.budget).any())
@@ -197,7 +202,7 @@ class Runtime:
         if snap.queries is not None:
             live.queries = [q.clone() for q in snap.queries]
         if snap.stats is not None:
-            cap = live.evictor.trigger + 1
+            cap = live.stats_width(*snap.stats.shape[:2])
             live.stats = [torch.nn.functional.pad(s, (0, cap - n)) for s in snap.stats]
         return True
 
@@ -290,10 +295,15 @@ class Runtime:
                 if live.stats is None:
                     live.stats = [None] * layers
                 if live.stats[lid] is None:
-                    live.stats[lid] = torch.zeros(keys.shape[1], ev.trigger + 1, dtype=torch.float32,
-                                                  device=keys.device)
+                    live.stats[lid] = torch.zeros(keys.shape[1], live.stats_width(layers, keys.shape[1]),
+                                                  dtype=torch.float32, device=keys.device)
                 t = torch.arange(count, device=keys.device)
-                mask = (torch.arange(span, device=keys.device)[None, :] <= (live.resident + t)[:, None])[None]
+                key = torch.arange(span, device=keys.device)
+                mask = (key[None, :] <= (live.resident + t)[:, None])[None]  # [1, T, span]
+                if live.has_holes():  # each head's evicted slots below the row's longest head
+                    start = live.holes[lid].to(keys.device)[:, None]
+                    hole = (key[None, :] >= start) & (key[None, :] < live.base + ev.params.budget)  # [H, span]
+                    mask = mask[:, None] & ~hole[None, :, None]  # [1, H, T, span]
                 ev.observe(live.stats[lid][None, :, :span], new[None].to(keys.dtype), keys, mask,
                            layer_idx=lid, scaling=layer.scaling)
 
@@ -334,7 +344,7 @@ class Runtime:
         live.compactions += 1
         self.compactions += 1
         if stats is not None:
-            cap = live.evictor.trigger + 1
+            cap = live.stats_width(keys.shape[0], keys.shape[1])
             live.stats = [torch.nn.functional.pad(s, (0, cap - kept)) for s in stats]
 
     @staticmethod
@@ -358,8 +368,11 @@ class Runtime:
         kept_k, kept_v, kept_s, counts = [], [], [], []
         for layer in range(layers):
             queries = live.queries[layer][None] if live.queries is not None else None
-            stats = live.stats[layer][None, :, :n] if live.stats is not None else None
-            k, v, heads = self._head_view(live, keys[layer], values[layer], layer)  # [H, N, D], [H]
+            k, v, heads, idx = self._head_view(live, keys[layer], values[layer], layer)  # [H, N, D], [H]
+            stats = None
+            if live.stats is not None:  # gathered like the keys
+                row_stats = live.stats[layer][:, :n]
+                stats = (row_stats if idx is None else row_stats.gather(1, idx[..., 0]))[None]
             extra = {"budget": budgets[layer]} if varies else {}
             if ev.adaptive_heads:
                 extra["head_lengths"] = heads[None]
@@ -371,7 +384,7 @@ class Runtime:
             kept_v.append(v.gather(1, idx.expand(-1, -1, v.shape[-1])).masked_fill(unused, 0))
             counts.append((keep >= 0).sum(-1))
             if stats is not None:
-                kept_s.append(stats[0].gather(1, keep.to(keys.device)))
+                kept_s.append(stats[0].gather(1, keep.clamp(min=0).to(keys.device)).masked_fill(unused[..., 0], 0.0))
         if not varies:
             return torch.stack(kept_k), torch.stack(kept_v), (kept_s or None), None
         holes = torch.stack(counts).cpu()  # [layers, kv_heads]
@@ -381,23 +394,28 @@ class Runtime:
             x = x[:, :width]
             return torch.nn.functional.pad(x, (0, 0, 0, width - x.shape[1]))
 
-        return (torch.stack([fit(x) for x in kept_k]), torch.stack([fit(x) for x in kept_v]), None,
-                holes)  # the query window stays as it is
+        def fit_stats(x):  # [H, K_l] -> [H, width]
+            x = x[:, :width]
+            return torch.nn.functional.pad(x, (0, width - x.shape[1]))
+
+        return (torch.stack([fit(x) for x in kept_k]), torch.stack([fit(x) for x in kept_v]),
+                [fit_stats(x) for x in kept_s] or None, holes)  # the query window stays as it is
 
     @staticmethod
     def _head_view(live: Live, keys: torch.Tensor, values: torch.Tensor, layer: int):
         """One layer's row gathered per head in time order, skipping the head's hole:
-        keys, values [kv_heads, n, D] -> ([kv_heads, N, D], [kv_heads, N, Dv], lengths [kv_heads])."""
+        keys, values [kv_heads, n, D] -> ([kv_heads, N, D], [kv_heads, N, Dv], lengths [kv_heads],
+        the gather index [kv_heads, N, 1] or None)."""
         heads, n = keys.shape[0], keys.shape[1]
         if live.holes is None:
-            return keys, values, torch.full((heads,), n)
+            return keys, values, torch.full((heads,), n), None
         start = live.holes[layer]  # [H]
         gap = live.base + live.evictor.params.budget - start  # [H]: hole sizes
         lengths = n - gap
         j = torch.arange(int(lengths.max()))[None, :]
         idx = (j + (j >= start[:, None]) * gap[:, None]).clamp(max=n - 1).to(keys.device)[..., None]
         return (keys.gather(1, idx.expand(-1, -1, keys.shape[-1])),
-                values.gather(1, idx.expand(-1, -1, values.shape[-1])), lengths)
+                values.gather(1, idx.expand(-1, -1, values.shape[-1])), lengths, idx)
 
     # ------------------------------------------------------------------ end of a request
 
@@ -417,7 +435,7 @@ class Runtime:
         kv = tree_cache.token_to_kv_pool_allocator.get_kvcache()
         slots = tree_cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n].long()
         keys, values = self._read(kv, slots)
-        stats = [s[:n] for s in live.stats] if live.stats is not None else None
+        stats = [s[:, :n] for s in live.stats] if live.stats is not None else None
         offset, compactions, holes, base = live.offset, live.compactions, live.holes, live.base
         if n - base >= live.evictor.trigger:  # it ended on the token that made it due: compact the copy
             keys, values, stats, holes = self._compacted(live, keys, values)
