@@ -294,3 +294,20 @@ def test_wilson_interval_and_paired_bootstrap_of_the_share_recovered():
     lo, hi = recovery_interval(half, evicted, full, ids)
     assert lo < 0.5 < hi and 0.2 < lo and hi < 0.8
     assert recovery_interval(half, evicted, evicted, ids) is None  # nothing lost, nothing to recover
+
+
+def test_limit_reports_every_run_on_the_prefix_of_its_order(cli, tmp_path):
+    """`--limit 16` makes a GSM8K-64 run comparable with a GSM8K-16 one of the same seeded
+    order (committed reproduction runs): without it they are refused as different sets."""
+    from pathlib import Path
+
+    repro = Path(__file__).parents[1] / "docs/results/repro/gsm8k"
+    full64, snap16 = repro / "cpu_best_of_n__c01b256b", repro / "cpu_best_of_n__eb3c90f9"
+    refused = cli("report", full64, snap16)
+    assert refused.exit_code == 2 and "different problem sets" in refused.output
+    result = cli("report", full64, snap16, "--limit", "16", "--csv")
+    assert result.exit_code == 0, result.output
+    rows = {line.split(",")[0]: line for line in result.output.splitlines()}
+    assert ",16," in rows["cpu_best_of_n__c01b256b"] and "0.75" in rows["cpu_best_of_n__c01b256b"]  # 12 of the first 16
+    too_many = cli("report", snap16, "--limit", "17")
+    assert too_many.exit_code == 2 and "covers 16 problems" in too_many.output

@@ -396,6 +396,8 @@ def report(
                                               help="Oracle analysis: the full-KV base run (for the gap recovered)."),
     strict: bool = typer.Option(False, "--strict", help="Refuse (exit 2) instead of skipping a directory that "
                                 "cannot be read."),
+    limit: Optional[int] = typer.Option(None, "--limit", metavar="N", help="Only the first N problems of each "
+                                        "run's dataset order (runs of different sizes over one order compare)."),
 ) -> None:
     """Tables (markdown, CSV) and plots (PNG) from results directories.
 
@@ -404,6 +406,7 @@ def report(
     the results directories. `--oracle-evicted` and `--oracle-helper` add the answer-level
     oracle of an evicted-base run and a full-KV helper run (correct if either is);
     `--oracle-full` names the full-KV base run, for the share of the gap each run recovers.
+    `--limit N` reports every run on the first N problems of its dataset order.
     \f
     ```sh
     kvflow report results/ --out report/
@@ -415,7 +418,7 @@ def report(
     with _errors():
         report_command(dirs or [], out=out, allow_mixed=allow_mixed, oracle_evicted=oracle_evicted,
                        oracle_helper=oracle_helper, oracle_full=oracle_full, as_csv=as_csv, strict=strict,
-                       echo=typer.echo)
+                       limit=limit, echo=typer.echo)
 
 
 @app.command()

@@ -75,6 +75,7 @@ def report_command(
     oracle_full: Optional[str] = None,
     as_csv: bool = False,
     strict: bool = False,
+    limit: Optional[int] = None,
     echo: Callable[[str], None] = print,
 ) -> list[T.Table]:
     if bool(oracle_evicted) != bool(oracle_helper):
@@ -87,7 +88,11 @@ def report_command(
     special = [d for d in (oracle_evicted, oracle_helper, oracle_full) if d]
     if not dirs and not special:
         raise UserError("no results directories given", hint="kvflow report results/*")
+    if limit is not None and limit < 1:
+        raise UserError(f"--limit {limit}: must be at least 1")
     runs = load_runs(dirs, strict=strict) if dirs else []
+    if limit is not None:
+        runs = [r.prefix(limit) for r in runs]
     by_path = {r.path: r for r in runs}
 
     def one(arg: str, flag: str) -> Run:
@@ -95,7 +100,8 @@ def report_command(
         if len(paths) != 1:
             raise UserError(f"{flag} {arg}: expected one results directory, found {len(paths)}")
         if paths[0] not in by_path:
-            by_path[paths[0]] = load_run(paths[0])
+            run = load_run(paths[0])
+            by_path[paths[0]] = run.prefix(limit) if limit is not None else run
             runs.append(by_path[paths[0]])
         return by_path[paths[0]]
 

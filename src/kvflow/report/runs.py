@@ -120,6 +120,33 @@ class Run:
     def correct_by_id(self) -> dict[str, bool]:
         return {r["id"]: bool(r.get("correct")) for r in self.records}
 
+    def prefix(self, n: int) -> "Run":
+        """This run over the first `n` problems of its dataset order only (a GSM8K-64 run as
+        GSM8K-16, to compare with runs that stopped there): records, metrics and the dataset's
+        limit restricted; complete when all `n` are in. UserError where the order cannot be
+        rebuilt (a `path` dataset) or the run covers fewer than `n`."""
+        from kvflow.eval.datasets import DatasetError, load_problems
+
+        ds = dict(self.config.get("dataset") or {})
+        if ds.get("path"):
+            raise UserError(f"{self.path}: --limit needs a built-in dataset (this run reads {ds['path']})")
+        have = self.dataset["limit"]
+        if have is not None and have < n:
+            raise UserError(f"{self.path}: --limit {n}, but the run covers {have} problems",
+                            hint="pass a limit at most the smallest run's dataset.limit")
+        d = self.dataset
+        try:
+            ids = [p.id for p in load_problems(d["name"], limit=n, offset=d["offset"], shuffle=d["shuffle"],
+                                               seed=d["seed"] or 0)]
+        except (DatasetError, OSError, KeyError) as e:
+            raise UserError(f"{self.path}: cannot rebuild its dataset order for --limit: {e}") from None
+        keep = set(ids)
+        records = [r for r in self.records if r["id"] in keep]
+        config = {**self.config, "dataset": {**ds, "limit": n}}
+        manifest = {**self.manifest, "dataset": {**(self.manifest.get("dataset") or ds), "limit": n}}
+        return Run(self.path, config, manifest, records, _metrics(records, self.proposers, config),
+                   len(records) == len(ids), self.proposers)
+
     def metrics_on(self, ids: Iterable[str]) -> dict:
         """The run's metrics recomputed over the problems in `ids` only (to compare runs that
         finished different problems on the problems they have in common)."""
