@@ -152,7 +152,7 @@ def test_tensor_parallel_ranks_keep_the_budgets_of_their_own_heads(shared_tiny_q
                                             device="cpu", engine={"tp_size": 2}))
     try:
         spec = SamplingSpec(1, 0.0, 1.0, 60, NEVER)
-        for kind in ("rkv", "h2o"):
+        for kind in ("rkv", "h2o", "pyramidkv"):  # pyramidkv: per-layer budgets, the same at any tp_size
             got = {}
             for e in (hf_engine, engine):
                 (state,) = e.start([StartRequest(_prompt(e), _evictor(kind), 1)])
@@ -160,8 +160,9 @@ def test_tensor_parallel_ranks_keep_the_budgets_of_their_own_heads(shared_tiny_q
                 got[e.backend] = p.candidates[0].token_ids
                 e.release([state], [p])
             assert got["sglang"] == got["hf"], kind
-        info = engine.server_state()
-        assert info["compactions"] > 0 and info["peak_request_slots"] <= 16 + 8
+            if kind == "h2o":
+                info = engine.server_state()
+                assert info["compactions"] > 0 and info["peak_request_slots"] <= 16 + 8
     finally:
         engine.worker.close()
 
