@@ -309,3 +309,19 @@ def test_an_observing_evictor_with_a_varying_allocation_on_sglang_equals_hf(cls,
             assert not snap["stats"][layer, h, int(holes[layer, h]):end].any()
     engine.release([state])
 
+
+
+def test_an_allocation_the_model_cannot_hold_is_refused_before_anything_is_written(tmp_path, cli):
+    """PyramidKV at budget 20 with a 16-token window: the tiny model's second layer would keep
+    only its window. Refused once the model's layer count is known, naming the field."""
+    from kvflow.testing import tiny_pipeline
+
+    path = tiny_pipeline(tmp_path, problems=1, evictor={"kind": "pyramidkv", "budget": 20, "buffer": 4,
+                                                        "window": 16})
+    result = cli("run", path)
+    assert result.exit_code == 2, result.output
+    assert "proposers.base.evictor" in result.output and "more than the window" in result.output
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "results").exists()
+    explained = cli("explain", path)
+    assert explained.exit_code == 0 and "do not work" in explained.output

@@ -189,7 +189,10 @@ def _budget_lines(pname: str, cls: type, params: Any, shape: Optional["ModelShap
             return [f"  {pname}: budget_bytes {params.budget_bytes}: {e}"]
         source = f"budget_bytes {params.budget_bytes} -> budget {budget} tokens"
     evictor = cls(params.with_budget(budget) if params.budget_bytes is not None else params)
-    varies = evictor.varies(shape.n_layers)
+    try:
+        varies = evictor.varies(shape.n_layers)
+    except ValueError as e:  # an allocation this model's layers cannot hold
+        return [f"  {pname}: {source}; its budgets for {shape.n_layers} layers do not work: {e}"]
     widths = evictor.layer_widths(shape.n_layers, shape.n_kv_heads) if varies else None
     lay = layout(params, *dims, budget=budget, evictor=evictor)
     q = params.quantize

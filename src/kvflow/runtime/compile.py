@@ -121,7 +121,9 @@ def build_plan(loaded: LoadedPipeline, registry, on_load: Callable[[str], None] 
         )
         engine = engine_for(cfg.model)
         evictor_params = resolve_budget_bytes(loaded, name, comps.evictor.params, engine.kv_shape())
-        proposers.append(Proposer(name, engine, comps.evictor.cls(evictor_params), spec))
+        evictor = comps.evictor.cls(evictor_params)
+        check_allocation(loaded, name, evictor, engine.kv_shape()[0])
+        proposers.append(Proposer(name, engine, evictor, spec))
     context = ScorerContext(
         load_session=lambda key: engine_for(key).scoring_session(),
         proposers=list(pipe.proposers), seed=pipe.run.seed, delimiter=pipe.run.delimiter, models=dict(pipe.models),
@@ -150,6 +152,19 @@ def resolve_budget_bytes(loaded: LoadedPipeline, proposer: str, params, kv_shape
                                                f"this model ({layers} layers x {heads} KV heads x head_dim {dim}, "
                                                f"{elem} bytes/element): {e}",
                                         "raise budget_bytes; `kvflow explain` shows the bytes per token")]) from None
+
+
+def check_allocation(loaded: LoadedPipeline, proposer: str, evictor, num_layers: int) -> None:
+    """An evictor's per-layer budgets for this model (`Evictor.allocation`), or a UserError
+    naming the evictor field (e.g. a PyramidKV budget too small for its window)."""
+    if not getattr(evictor, "bounded", False):
+        return
+    try:
+        evictor.allocation(num_layers)
+    except ValueError as e:
+        raise UserError([loaded.problem(f"proposers.{proposer}.evictor", f"its budgets for this model "
+                                        f"({num_layers} layers) do not work: {e}",
+                                        "raise budget (or buffer), lower window, or (pyramidkv) raise beta")]) from None
 
 
 def kv_memory(plan) -> dict:
