@@ -298,16 +298,37 @@ def test_wilson_interval_and_paired_bootstrap_of_the_share_recovered():
 
 def test_limit_reports_every_run_on_the_prefix_of_its_order(cli, tmp_path):
     """`--limit 16` makes a GSM8K-64 run comparable with a GSM8K-16 one of the same seeded
-    order (committed reproduction runs): without it they are refused as different sets."""
+    order: without it they are refused as different sets. The 64-problem run is the committed
+    full-KV reproduction run; the 16-problem one is made from it (its first 16 of the order)."""
+    import json
+    import shutil
     from pathlib import Path
 
-    repro = Path(__file__).parents[1] / "docs/results/repro/gsm8k"
-    full64, snap16 = repro / "cpu_best_of_n__c01b256b", repro / "cpu_best_of_n__eb3c90f9"
-    refused = cli("report", full64, snap16)
+    import yaml
+
+    from kvflow.eval.datasets import load_problems
+
+    repro = Path(__file__).parents[1] / "docs/results/repro/gsm8k/cpu_best_of_n__c01b256b"
+    full64, full16 = tmp_path / "full64__a", tmp_path / "full16__b"
+    shutil.copytree(repro, full64)
+    shutil.copytree(repro, full16)
+    first = {p.id for p in load_problems("gsm8k", limit=16, shuffle=True, seed=0)}
+    records = [line for line in (full16 / "samples.jsonl").read_text().splitlines() if json.loads(line)["id"] in first]
+    (full16 / "samples.jsonl").write_text("\n".join(records) + "\n")
+    (full16 / "metrics.json").unlink()
+    config = yaml.safe_load((full16 / "config.resolved.yaml").read_text())
+    config["dataset"]["limit"] = 16
+    (full16 / "config.resolved.yaml").write_text(yaml.safe_dump(config))
+    manifest = json.loads((full16 / "manifest.json").read_text())
+    manifest["dataset"]["limit"] = 16
+    (full16 / "manifest.json").write_text(json.dumps(manifest))
+    assert len(records) == 16
+    refused = cli("report", full64, full16)
     assert refused.exit_code == 2 and "different problem sets" in refused.output
-    result = cli("report", full64, snap16, "--limit", "16", "--csv")
+    result = cli("report", full64, full16, "--limit", "16", "--csv")
     assert result.exit_code == 0, result.output
-    rows = {line.split(",")[0]: line for line in result.output.splitlines()}
-    assert ",16," in rows["cpu_best_of_n__c01b256b"] and "0.75" in rows["cpu_best_of_n__c01b256b"]  # 12 of the first 16
-    too_many = cli("report", snap16, "--limit", "17")
+    rows = {line.split(",")[0]: line.split(",") for line in result.output.splitlines()}
+    for name in ("full64__a", "full16__b"):
+        assert rows[name][5] == "16" and float(rows[name][7]) == 0.75  # problems, accuracy: 12 of the first 16
+    too_many = cli("report", full16, "--limit", "17")
     assert too_many.exit_code == 2 and "covers 16 problems" in too_many.output
