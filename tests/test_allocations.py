@@ -325,3 +325,20 @@ def test_an_allocation_the_model_cannot_hold_is_refused_before_anything_is_writt
     assert not (tmp_path / "results").exists()
     explained = cli("explain", path)
     assert explained.exit_code == 0 and "do not work" in explained.output
+
+
+def test_a_run_with_budget_bytes_and_pyramid_budgets_records_its_allocation(tmp_path, cli):
+    """`kvflow run` with PyramidKV given in bytes and quantized: the manifest's kv_memory has
+    the token budget the bytes bought, the per-layer budgets, and bytes within the target."""
+    import json
+
+    from kvflow.testing import tiny_pipeline
+
+    evictor = {"kind": "pyramidkv", "budget_bytes": 12_000, "buffer": 16, "window": 2,
+               "quantize": {"bits": 4, "group_size": 8, "residual": 4}}
+    result = cli("run", tiny_pipeline(tmp_path, problems=1, evictor=evictor))
+    assert result.exit_code == 0, result.output
+    (run_dir,) = (tmp_path / "results").iterdir()
+    mem = json.loads((run_dir / "manifest.json").read_text())["kv_memory"]["base"]
+    assert mem["kept_bytes"] <= 12_000 and len(mem["layer_budgets"]) == 2
+    assert sum(mem["layer_budgets"]) == 2 * mem["budget"] and mem["layer_budgets"][0] > mem["layer_budgets"][1]
