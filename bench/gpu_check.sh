@@ -7,6 +7,9 @@
 # Budget: about 8 minutes (model build ~1 min, three runs of growing size).
 #   bash bench/gpu_check.sh            # writes $OUT/gpu_check.json (or ./gpu_check.json)
 #   bash bench/gpu_check.sh sglang     # only the SGLang part (below), about 7 minutes
+#   bash bench/gpu_check.sh alloc      # only the allocations part (issue 18), about 4 minutes: the
+#                                      # varying-budget evictors on CUDA (hf), tokens/s and bytes held
+#                                      # vs uniform snapkv, 7B-shaped random weights, N = 8, 1024 tokens
 # SGLang part (issue 16; runs only where SGLang 0.5.23 is importable, which the lent machine's
 # image was not): a random-weight Qwen2.5-Math-7B-shaped checkpoint on disk, evicted (R-KV,
 # B=64 + 128) vs full-KV decoding on SGLang at equal batch (N = 8) and growing output lengths:
@@ -35,7 +38,15 @@ sglang_part() {
   timeout 240 ${PYTHON:-python3} bench/sglang_admission.py --device cuda --model "$dir" --dtype bfloat16 \
     --pool 32768 --n 128 --tokens 1024 --budget 64 --buffer 128 --out "${OUT:-.}/gpu_sglang_admission.json"
 }
+alloc_part() {
+  dir="${TMPDIR:-/tmp}/kvflow-random-qwen2.5-math-7b"
+  ${PYTHON:-python3} bench/scheduler_throughput.py --save-model "$dir" --shape 7b || return 1
+  timeout 300 ${PYTHON:-python3} bench/sglang_evicted.py --engines hf --device cuda --model "$dir" \
+    --dtype bfloat16 --n 8 --lengths 256,512,1024 --evictor snapkv,pyramidkv,ada-snapkv --budget 64 \
+    --buffer 128 --out "${OUT:-.}/gpu_allocations.json"
+}
 if [ "${1:-}" = "sglang" ]; then sglang_part; exit $?; fi
+if [ "${1:-}" = "alloc" ]; then alloc_part; exit $?; fi
 : > "$out"
 for spec in "--problems 8 --n 8 --steps 2" "--problems 32 --n 8 --steps 3" "--problems 64 --n 8 --steps 3"; do
   echo "== $spec" >&2
