@@ -51,6 +51,11 @@ def main() -> None:
     torch.set_num_threads(threads)
     lengths = [int(x) for x in args.lengths.split(",")]
     reg = get_registry()
+    if "hf" not in reg.names("backends"):  # a plain checkout on PYTHONPATH (the lent GPU machine): built-ins only
+        import kvflow_builtin
+        from kvflow.registry import Registry
+
+        reg = Registry.from_plugins([("builtin", kvflow_builtin)])
     evictors = {}
     for kind in args.evictor.split(","):
         cls = reg.get("evictors", kind)
