@@ -245,8 +245,8 @@ class Runtime:
         flat = out.view(out.shape[0], -1)
         req_to_token = self.req_to_token_pool.req_to_token
         for _, start, count, live, pool_idx in self.rows:
-            if not live.has_holes():
-                continue
+            if not live.has_holes() or not bool((live.holes[lid] < live.base + live.evictor.params.budget).any()):
+                continue  # this layer of the row has no hole (PyramidKV's widest layer, say): SGLang's output stands
             span = live.resident + count
             slots = req_to_token[pool_idx, :span].long()
             keys = self.kv.get_key_buffer(lid)[slots].transpose(0, 1)  # [kv_heads, span, D]
