@@ -90,7 +90,9 @@ def test_an_evicted_request_holds_at_most_budget_plus_buffer_slots(sglang_engine
     assert budget <= evicted_row <= budget + buffer
     assert evicted_peak <= budget + buffer
     prompt = len(sglang_engine.encode(_prompt(sglang_engine)))
-    assert full_peak >= prompt + steps - 8  # read between polls: the last few tokens may come with the end
+    # read between polls (the last tokens may come with the end, more of them on a loaded
+    # machine): the full-context request is seen far past the evicted bound, growing with its output
+    assert full_peak >= prompt + steps // 2 and full_peak > 4 * (budget + buffer)
 
 
 def test_quantized_storage_is_refused_naming_the_field(tmp_path, cli):
