@@ -97,9 +97,21 @@ def adaptive_keep(scores: "torch.Tensor", total: int, capacity: int, floor: int)
     return kept
 
 
-def kept_counts(keep: "torch.Tensor") -> "torch.Tensor":
-    """[rows, kv_heads] kept tokens per head of a `select()` result (-1 pads adaptive rows)."""
-    return (keep >= 0).sum(-1)
+def hole_mask(start: "torch.Tensor", end, span: int) -> "torch.Tensor":
+    """Which of a row's first `span` slots are each head's hole under a varying allocation
+    (head h kept slots [0, start_h); the row's new tokens begin at `end`).
+    start: [..., kv_heads] int64; end: [...] int64 or an int -> [..., kv_heads, span] bool."""
+    key = torch.arange(span, device=start.device)
+    end = torch.as_tensor(end, device=start.device)[..., None, None]
+    return (key >= start[..., None]) & (key < end)
+
+
+def hole_index(start: "torch.Tensor", end, n: int) -> "torch.Tensor":
+    """The stored slot of each head's j-th resident token, its hole skipped (see `hole_mask`):
+    [..., kv_heads, n] int64, j past a head's length running on past the row's end."""
+    j = torch.arange(n, device=start.device)
+    gap = torch.as_tensor(end, device=start.device)[..., None] - start  # [..., kv_heads]: hole sizes
+    return j + (j >= start[..., None]) * gap[..., None]
 
 
 # --------------------------------------------------------------------------- mixins

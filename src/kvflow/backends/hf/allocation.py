@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from kvflow.backends.hf.rows import WritePlan
+from kvflow.components.allocation import hole_mask
 
 
 class LayerAllocation:
@@ -33,7 +34,7 @@ class LayerAllocation:
         real = causal & (t[None, :, None] < step_lens[:, None, None])  # the pairs an observer counts
         start, end = r.hole_start[:, layer_idx], r.hole_end[:, layer_idx]  # [rows, H], [rows]
         if bool((end[:, None] > start).any()):
-            hole = (key[None, None, :] >= start[..., None]) & (key[None, None, :] < end[:, None, None])  # [rows, H, span]
+            hole = hole_mask(start, end, span)  # [rows, H, span]
             mask = causal[:, None] & ~hole[:, :, None]  # [rows, H, T, span]
             real = real[:, None] & ~hole[:, :, None]
         else:

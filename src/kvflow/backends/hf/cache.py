@@ -42,6 +42,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kvflow.backends.hf.allocation import LayerAllocation
 from kvflow.backends.hf.quant import QuantizedStore
 from kvflow.backends.hf.rows import RowState, WritePlan
+from kvflow.components.allocation import hole_index
 from kvflow.components.base import Evictor
 from kvflow.kv_memory import n_quantized
 
@@ -256,9 +257,8 @@ class BudgetedCache(LayerAllocation, Cache):
         under a varying allocation (the head's hole skipped; past its length: padding)."""
         r = self.rows
         start = r.hole_start[:, layer_idx].index_select(0, rows)  # [R, H]
-        gap = r.hole_end[:, layer_idx].index_select(0, rows)[:, None] - start  # [R, H]
-        j = torch.arange(n)[None, None, :]
-        return (j + (j >= start[..., None]) * gap[..., None]).clamp(max=self.layer_capacity(layer_idx) - 2)
+        end = r.hole_end[:, layer_idx].index_select(0, rows)  # [R]
+        return hole_index(start, end, n).clamp(max=self.layer_capacity(layer_idx) - 2)
 
     # ------------------------------------------------------------------ rows
 

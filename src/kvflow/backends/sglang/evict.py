@@ -56,6 +56,8 @@ from typing import Any, Optional
 
 import torch
 
+from kvflow.components.allocation import hole_index, hole_mask
+
 KEY = "kvflow_evict"
 _INIT = "sglang.srt.managers.schedule_batch.Req.init_next_round_input"
 _FORWARD_BATCH = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
@@ -115,8 +117,13 @@ class Live:
         ev = self.evictor
         return (max(ev.layer_widths(layers, kv_heads)) if ev.varies(layers) else ev.trigger) + 1
 
+    @property
+    def hole_end(self) -> int:
+        """Where the row's new tokens start since the last compaction (K, its longest head)."""
+        return self.base + self.evictor.params.budget
+
     def has_holes(self) -> bool:
-        return self.holes is not None and bool((self.holes < self.base + self.evictor.params.budget).any())
+        return self.holes is not None and bool((self.holes < self.hole_end).any())
 
 
 class Runtime:
@@ -245,7 +252,7 @@ class Runtime:
         flat = out.view(out.shape[0], -1)
         req_to_token = self.req_to_token_pool.req_to_token
         for _, start, count, live, pool_idx in self.rows:
-            if not live.has_holes() or not bool((live.holes[lid] < live.base + live.evictor.params.budget).any()):
+            if not live.has_holes() or not bool((live.holes[lid] < live.hole_end).any()):
                 continue  # this layer of the row has no hole (PyramidKV's widest layer, say): SGLang's output stands
             span = live.resident + count
             slots = req_to_token[pool_idx, :span].long()
@@ -255,9 +262,7 @@ class Runtime:
             key = torch.arange(span, device=keys.device)
             t = torch.arange(count, device=keys.device)
             causal = key[None, :] <= (live.resident + t)[:, None]  # [T, span]
-            end = live.base + live.evictor.params.budget
-            start_h = live.holes[lid].to(keys.device)[:, None]  # [H, 1]
-            hole = (key[None, :] >= start_h) & (key[None, :] < end)  # [H, span]
+            hole = hole_mask(live.holes[lid].to(keys.device), live.hole_end, span)  # [H, span]
             mask = (causal[None] & ~hole[:, None]).repeat_interleave(q_heads // kv_heads, dim=0)  # [Hq, T, span]
             g = q_heads // kv_heads
             o = torch.nn.functional.scaled_dot_product_attention(
@@ -301,8 +306,7 @@ class Runtime:
                 key = torch.arange(span, device=keys.device)
                 mask = (key[None, :] <= (live.resident + t)[:, None])[None]  # [1, T, span]
                 if live.has_holes():  # each head's evicted slots below the row's longest head
-                    start = live.holes[lid].to(keys.device)[:, None]
-                    hole = (key[None, :] >= start) & (key[None, :] < live.base + ev.params.budget)  # [H, span]
+                    hole = hole_mask(live.holes[lid].to(keys.device), live.hole_end, span)  # [H, span]
                     mask = mask[:, None] & ~hole[None, :, None]  # [1, H, T, span]
                 ev.observe(live.stats[lid][None, :, :span], new[None].to(keys.dtype), keys, mask,
                            layer_idx=lid, scaling=layer.scaling)
@@ -410,10 +414,8 @@ class Runtime:
         if live.holes is None:
             return keys, values, torch.full((heads,), n), None
         start = live.holes[layer]  # [H]
-        gap = live.base + live.evictor.params.budget - start  # [H]: hole sizes
-        lengths = n - gap
-        j = torch.arange(int(lengths.max()))[None, :]
-        idx = (j + (j >= start[:, None]) * gap[:, None]).clamp(max=n - 1).to(keys.device)[..., None]
+        lengths = n - (live.hole_end - start)
+        idx = hole_index(start, live.hole_end, int(lengths.max())).clamp(max=n - 1).to(keys.device)[..., None]
         return (keys.gather(1, idx.expand(-1, -1, keys.shape[-1])),
                 values.gather(1, idx.expand(-1, -1, values.shape[-1])), lengths, idx)
 
