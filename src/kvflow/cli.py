@@ -354,6 +354,9 @@ def explain(
     file: Path = typer.Argument(..., metavar="FILE", help="Pipeline YAML file."),
     set_: Optional[List[str]] = typer.Option(None, "--set", "-s", metavar="PATH=VALUE", help=SET_HELP),
     unset: Optional[List[str]] = typer.Option(None, "--unset", metavar="PATH", help=UNSET_HELP),
+    gpus: Optional[str] = typer.Option(None, "--gpus", metavar="NxGB", help="Also show where `kvflow run` would put "
+                                       "each model on these GPUs (kvflow's placement rule): 8x80 is 8 GPUs of 80 GB, "
+                                       "80,80,24 one size per GPU."),
 ) -> None:
     """The compiled plan in words: proposers, models, components, limits, KV memory estimate, resolved YAML.
 
@@ -366,19 +369,22 @@ def explain(
     `none` holds `limits.max_tokens` plus a typical prompt of 256 tokens; the bytes per token
     come from the model's config when it can be read offline without weights (catalog cache,
     local directory or `.gguf`, hub cache, or the `kvflow cost` preset whose name matches a
-    hub id), and are otherwise reported as unknown. Last, the resolved configuration
+    hub id), and are otherwise reported as unknown. With `--gpus`, where `kvflow run` would
+    put each model on those GPUs and what each GPU is asked for (or why the pipeline would be
+    refused; docs/backends.md, "Placement on several GPUs"). Last, the resolved configuration
     (includes and overrides applied) as YAML. Exit code 2 for an invalid pipeline, as for
     `validate`.
     \f
     ```sh
     kvflow explain pipelines/kv_rescue.yaml
     kvflow explain pipelines/quickstart.yaml --set proposers.base.evictor.budget=128
+    kvflow explain pipelines/sglang/gpu/kv_rescue_72b.yaml --gpus 8x80
     ```
     """
     from kvflow.explain import explain_command
 
     with _errors():
-        explain_command(file, sets=set_ or (), unsets=unset or (), registry=_registry(), echo=typer.echo)
+        explain_command(file, sets=set_ or (), unsets=unset or (), registry=_registry(), echo=typer.echo, gpus=gpus)
 
 
 @app.command()

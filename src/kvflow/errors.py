@@ -85,6 +85,18 @@ class UserError(KvflowError):
         return "\n".join(p.format() for p in self.problems)
 
 
+class EngineSettingError(KvflowError):
+    """An engine cannot run under a setting of a model entry, found only once the engine
+    started (what SGLang resolved for the device, say). `field` is under the model entry
+    (``engine.page_size``); `kvflow run` reports it as ``models.<key>.<field>``, exit code 2."""
+
+    exit_code = EXIT_USER_ERROR
+
+    def __init__(self, field: str, message: str, hint: Optional[str] = None) -> None:
+        self.field, self.message, self.hint = field, message, hint
+        super().__init__(f"{field}: {message}")
+
+
 class PluginError(KvflowError):
     """A plugin failed to load (fatal under `--strict-plugins`), or two plugins conflict."""
 

@@ -5,7 +5,8 @@ cached or not), a local file or directory, or a hub id), n, sampling, the evicto
 parameters and one-line description, and the pruners that watch it; then the scorer (and the
 model it uses), the committer, the limits and the dataset; then an estimate of the KV memory
 of one sequence per proposer, read from the model's config when that needs no weights and no
-network; and last the resolved configuration as YAML. Never imports torch.
+network; given a stand-in GPU list (`--gpus 8x80`), where `kvflow run` would place each model
+(kvflow.placement); and last the resolved configuration as YAML. Never imports torch.
 """
 
 from __future__ import annotations
@@ -222,7 +223,8 @@ def _budget_lines(pname: str, cls: type, params: Any, shape: Optional["ModelShap
 # --------------------------------------------------------------------------- the report
 
 
-def explain_lines(loaded: "LoadedPipeline", registry: Optional["Registry"] = None) -> list[str]:
+def explain_lines(loaded: "LoadedPipeline", registry: Optional["Registry"] = None,
+                  gpus: Optional[list[tuple[int, int]]] = None) -> list[str]:
     from kvflow.cost import kv_bytes_per_token
 
     pipe = loaded.pipeline
@@ -329,6 +331,9 @@ def explain_lines(loaded: "LoadedPipeline", registry: Optional["Registry"] = Non
             out.append("    SGLang in a worker process; " + "; ".join(kinds) + "; kvflow's defaults where no GPU: "
                        + ", ".join(f"{k}={v}" for k, v in _sglang_cpu_defaults().items()))
 
+    if gpus:
+        out.append("")
+        out.extend(placement_lines(loaded, gpus))
     out.append("")
     out.append("KV memory per sequence (estimate; K and V of every layer, at the model's dtype):")
     shapes: dict[str, tuple[Optional["ModelShape"], str]] = {}
@@ -360,6 +365,26 @@ def explain_lines(loaded: "LoadedPipeline", registry: Optional["Registry"] = Non
     return out
 
 
+def placement_lines(loaded: "LoadedPipeline", gpus: list[tuple[int, int]]) -> list[str]:
+    """Where `kvflow run` would put each used model on `gpus` ((index, total bytes)), by
+    kvflow's placement rule, or the problems it would refuse the pipeline with."""
+    from kvflow.errors import UserError
+    from kvflow.placement import place_pipeline
+    from kvflow.runtime.compile import used_models
+
+    sizes = [_human_bytes(total) for _, total in gpus]
+    sizes_text = f"{len(gpus)} x {sizes[0]}" if len(set(sizes)) == 1 else ", ".join(sizes)
+    out = [f"placement on {len(gpus)} GPU{'s' if len(gpus) != 1 else ''} ({sizes_text}) by kvflow's rule "
+           "(docs/backends.md, \"Placement on several GPUs\"):"]
+    try:
+        placement = place_pipeline(loaded, gpus, used_models(loaded))
+    except UserError as e:
+        out.append("  does not fit: `kvflow run` would refuse it before any engine starts:")
+        out.extend("    " + line for p in e.problems for line in p.format().splitlines())
+        return out
+    return out + (placement.lines() or ["  no model on a GPU (every used model has `device: cpu`)"])
+
+
 def resolved_yaml(resolved: dict) -> str:
     import yaml
 
@@ -368,11 +393,13 @@ def resolved_yaml(resolved: dict) -> str:
 
 
 def explain_command(file: Union[str, os.PathLike], *, sets=(), unsets=(), registry: Optional["Registry"] = None,
-                    echo: Callable[[str], None] = print) -> "LoadedPipeline":
+                    echo: Callable[[str], None] = print, gpus: Optional[str] = None) -> "LoadedPipeline":
     from kvflow.config.validate import load_pipeline
+    from kvflow.placement import parse_gpus
 
+    devices = parse_gpus(gpus) if gpus else None  # before loading: a bad --gpus is said first
     loaded = load_pipeline(file, sets=sets, unsets=unsets, registry=registry)
-    for line in explain_lines(loaded, registry):
+    for line in explain_lines(loaded, registry, gpus=devices):
         echo(line)
     return loaded
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Callable
 
 from kvflow.config.validate import LoadedPipeline
-from kvflow.errors import UserError
+from kvflow.errors import EngineSettingError, UserError
 
 CPU_HINT = ("on a machine without these models, run a CPU pipeline instead: "
             "`kvflow run pipelines/quickstart.yaml` or one under pipelines/cpu/ (see `kvflow ls pipelines`)")
@@ -86,22 +86,45 @@ def engine_use_problems(loaded: LoadedPipeline, registry=None) -> list:
     return problems
 
 
-def build_plan(loaded: LoadedPipeline, registry, on_load: Callable[[str], None] = lambda key: None):
-    """Load every distinct model once, as an engine of its backend, and instantiate the
+def place_models(loaded: LoadedPipeline, gpus=None):
+    """(loaded with each used model entry's GPU set, the Placement or None): `device: auto`
+    entries get GPUs by kvflow's placement rule (kvflow.placement), and models that do not fit
+    are refused (UserError naming the field) before anything loads. `gpus`: [(index, total
+    bytes)], None for this machine's CUDA GPUs; without GPUs nothing changes (auto is the CPU).
+    `loaded.resolved` (and so the run's config hash) is left as written."""
+    import dataclasses
+
+    from kvflow.placement import cuda_devices, place_pipeline
+
+    gpus = cuda_devices() if gpus is None else gpus
+    if not gpus:
+        return loaded, None
+    placement = place_pipeline(loaded, gpus, used_models(loaded))
+    pipeline = loaded.pipeline.model_copy(update={"models": placement.placed_models(loaded.pipeline.models)})
+    return dataclasses.replace(loaded, pipeline=pipeline), placement
+
+
+def build_plan(loaded: LoadedPipeline, registry, on_load: Callable[[str], None] = lambda key: None, gpus=None):
+    """Place the models on this machine's GPUs (`place_models`; `gpus` stands in for them in
+    tests), load every distinct model once, as an engine of its backend, and instantiate the
     components. Returns (plan, engines by model key)."""
     from kvflow.components.base import ScorerContext
     from kvflow.components.engine import SamplingSpec
     from kvflow.runtime.scheduler import Plan, Proposer
 
+    loaded, _ = place_models(loaded, gpus)  # before any engine starts: refuses what cannot fit
     pipe = loaded.pipeline
     engines: dict[str, object] = {}
+    evicting = {p.model for p in pipe.proposers.values() if p.evictor.kind != "none"}
 
     def engine_for(key: str):
         if key not in engines:
             on_load(key)
             backend = registry.get("backends", pipe.models[key].backend)
             try:
-                engines[key] = backend.load(pipe.models[key])
+                engines[key] = load_engine(backend, pipe.models[key], evicting=key in evicting)
+            except EngineSettingError as e:  # what the engine resolved on this machine, located in the pipeline
+                raise UserError(loaded.problem(f"models.{key}.{e.field}", e.message, e.hint)) from None
             except (UserError, KeyboardInterrupt, MemoryError):
                 raise
             except Exception as e:  # what the checks could not see: the loader's own words, located
@@ -133,6 +156,16 @@ def build_plan(loaded: LoadedPipeline, registry, on_load: Callable[[str], None] 
     plan = Plan(proposers, scorer, committer, pipe.limits, pipe.run.seed, batch_problems=pipe.run.batch_problems,
                 live_problems=pipe.run.live_problems)
     return plan, engines
+
+
+def load_engine(backend, model_cfg, *, evicting: bool):
+    """`backend.load(model_cfg)`, telling a backend whose `load` takes `evicting` whether an
+    evicted proposer runs on the model (SGLang then decodes without graphs)."""
+    import inspect
+
+    if "evicting" in inspect.signature(backend.load).parameters:
+        return backend.load(model_cfg, evicting=evicting)
+    return backend.load(model_cfg)
 
 
 def resolve_budget_bytes(loaded: LoadedPipeline, proposer: str, params, kv_shape: tuple[int, int, int, int]):

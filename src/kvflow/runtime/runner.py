@@ -178,8 +178,11 @@ def _decode_with(loaded: LoadedPipeline, registry, store: ResultsDir, todo, quie
     base = plan.proposers[0].engine
     # the results directory is created only now that every model has loaded
     store.prepare(loaded.resolved, _manifest(loaded, registry))
+    placement = compile_.place_models(loaded)[1]  # as build_plan placed them (the rule is deterministic)
     store.update_manifest(device=base.device, threads=torch.get_num_threads(), kv_memory=compile_.kv_memory(plan),
-                          engines={k: e.backend for k, e in engines.items()})
+                          engines={k: e.backend for k, e in engines.items()},
+                          engine_settings={k: e.settings() for k, e in engines.items() if hasattr(e, "settings")},
+                          placement=placement.to_dict() if placement else None)
     by_id = {p.id: p for p in todo}
     occupancy = Occupancy()
     with Grader(timeout=pipe.run.grade_timeout) as grader, Progress(len(todo), enabled=not quiet) as progress:

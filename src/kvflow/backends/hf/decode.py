@@ -126,6 +126,16 @@ class HFEngine:
 
     # ------------------------------------------------------------------ text and shapes
 
+    def settings(self) -> dict:
+        """What this engine runs under on this machine (`manifest.json` `engine_settings`)."""
+        import transformers
+
+        model = self.runner.model
+        return {"backend": self.backend, "device": self.device, "dtype": str(next(model.parameters()).dtype),
+                "torch": torch.__version__, "transformers": transformers.__version__,
+                "attn_implementation": getattr(model.config, "_attn_implementation", None),
+                "deterministic_algorithms": torch.are_deterministic_algorithms_enabled()}
+
     def encode(self, text: str) -> list[int]:
         return self.runner.encode(text)
 

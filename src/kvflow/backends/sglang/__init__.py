@@ -47,7 +47,9 @@ class SGLangBackend:
         return check_installed() or check_settings(model_cfg) or check_model(model_cfg)
 
     @staticmethod
-    def load(model_cfg):
+    def load(model_cfg, evicting: bool = True):
+        """The model's engine; `evicting` (kvflow passes it): whether an evicted proposer runs
+        on it, which turns decode graphs off (docs/backends.md, "Running on GPUs")."""
         from kvflow.backends.sglang.settings import load_engine
 
-        return load_engine(model_cfg)
+        return load_engine(model_cfg, evicting)

@@ -123,7 +123,19 @@ class Worker:
     def fail(self) -> None:
         code = self.proc.wait(timeout=30) if self.proc.poll() is None else self.proc.returncode
         self._kill_group()
+        tripwire = self.log_line("kvflow tripwire:")
+        if tripwire:  # kvflow's own plugin stopped the scheduler: say why first
+            raise EngineError(f"{self.where}: {tripwire}\n{self.log_tail()}")
         raise EngineError(f"{self.where}: the SGLang worker exited (code {code}); rerun to resume.\n{self.log_tail()}")
+
+    def log_line(self, marker: str) -> Optional[str]:
+        """The last line of the worker's log that contains `marker`, from the marker on."""
+        try:
+            with open(self.log_path, errors="replace") as f:
+                hits = [line for line in f if marker in line]
+        except OSError:
+            return None
+        return hits[-1][hits[-1].index(marker):].strip() if hits else None
 
     def log_tail(self, lines: int = 12) -> str:
         try:

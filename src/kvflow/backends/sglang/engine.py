@@ -118,6 +118,14 @@ class SGLangEngine(EvictedStates):
         self._specs: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # evictor -> its part of a spec
         self._evicted_rids: set[str] = set()  # evicted candidates whose end has not arrived
         self.dump_dir: Optional[str] = None  # set: the scheduler saves every snapshot there (`<snap>.pt`)
+        self.resolved: dict = {}  # SGLang's server arguments as it resolved them for the device (settings.py)
+
+    def settings(self) -> dict:
+        """What this engine runs under, as resolved on this machine (`manifest.json` `engine_settings`)."""
+        from kvflow.backends.sglang.settings import RECORDED
+
+        return {"backend": self.backend, "sglang": self.worker.info.get("version"),
+                **{k: self.resolved[k] for k in RECORDED if k in self.resolved}}
 
     def reset(self) -> None:
         for r in self.running:

@@ -139,6 +139,15 @@ class Runtime:
         # kvflow's rows of the forward being run (set by ForwardBatch.init_new; the attention
         # layers see a copy of that ForwardBatch, and overlap scheduling is off: one at a time)
         self.rows: Optional[list] = None
+        # the tripwire: the layers whose attention hook saw this forward's rows, and the tokens
+        # of evicted requests observed so far (every one must be: see `check_observed`)
+        self.layers_seen: set[int] = set()
+        self.observed_tokens = 0
+        # fault injection for the tripwire's test: skip the hooks of the N-th decode forward
+        # that has evicted rows, as a replayed decode graph would (0: never)
+        self.skip_decode_forward = int(os.environ.get("KVFLOW_SGLANG_FAULT_SKIP_HOOKS", "0") or 0)
+        self.decode_forwards = 0
+        self.skip = False
 
     # ------------------------------------------------------------------ requests
 
@@ -241,6 +250,9 @@ class Runtime:
         if bool(offsets.any()):
             forward_batch.positions = forward_batch.positions + offsets.to(forward_batch.positions.device)
         self.rows = rows
+        self.layers_seen = set()
+        self.decode_forwards += decode
+        self.skip = decode and self.decode_forwards == self.skip_decode_forward
 
     def masked_attention(self, q, out, layer) -> None:
         """Rows with holes (varying allocations): their attention again, each head over its
@@ -311,11 +323,37 @@ class Runtime:
                 ev.observe(live.stats[lid][None, :, :span], new[None].to(keys.dtype), keys, mask,
                            layer_idx=lid, scaling=layer.scaling)
 
+    def check_observed(self, req, live: Live) -> None:
+        """The tripwire, after each forward and before a request's row is released: every token
+        SGLang wrote into an evicted request's row went through kvflow's hooks (positions
+        planned, every layer's attention observed). A replayed decode graph, a compiled forward
+        or an attention path that bypasses `AttentionBackend.forward` runs none of them; the
+        evicted state would then be silently wrong, so the scheduler stops instead."""
+        written, counted = int(req.kv.kv_committed_len), live.resident + live.pending
+        layers = len(self.kv.k_buffer)
+        missed = None
+        if written != counted:
+            missed = f"SGLang holds {written} tokens in its row, kvflow's hooks planned {counted}"
+        elif live.pending and len(self.layers_seen) != layers:
+            missed = (f"its last forward ({live.pending} token(s)) ran kvflow's attention hook in "
+                      f"{len(self.layers_seen)} of {layers} layers")
+        if missed is not None:
+            raise TripwireError(
+                f"kvflow tripwire: evicted request {req.rid}: {missed}. Its query window, attention statistics and "
+                "hole masks would be stale, so the engine stops rather than decode on. Cause: the forward ran "
+                "without kvflow's hooks (a replayed decode graph: models.<entry>.engine.disable_cuda_graph must be "
+                "true for evicted proposers; enable_torch_compile; an attention backend that bypasses "
+                "AttentionBackend.forward). Rerun `kvflow run` to resume once the setting is fixed.")
+        self.observed_tokens += live.pending
+
     def forwarded(self, processor, batch) -> None:
-        """After a forward's results: count its tokens; compact running rows that are due."""
+        """After a forward's results: check and count its tokens; compact running rows that are due."""
         for i, req in enumerate(batch.reqs):
             live = self.live.get(req.rid)
-            if live is None or not live.pending:
+            if live is None:
+                continue
+            self.check_observed(req, live)
+            if not live.pending:
                 continue
             live.resident += live.pending
             live.pending = 0
@@ -424,6 +462,8 @@ class Runtime:
     def released(self, req, tree_cache) -> None:
         """Before SGLang frees an evicted request's row: keep its state if asked to."""
         live = self.live.pop(req.rid, None)
+        if live is not None and req.kv.holds_kv:
+            self.check_observed(req, live)
         if live is not None and not req.finished():
             # retracted under memory pressure: SGLang re-prefills it later from its input and
             # output ids; `begin` then starts it again from its step's snapshot and ingests the
@@ -453,6 +493,10 @@ class Runtime:
             holes=holes, base=base)
         if live.dump:  # for inspection and tests: what the state keeps, per (layer, KV head)
             torch.save(vars(snap), os.path.join(live.dump, f"{live.save_as}.pt"))
+
+
+class TripwireError(RuntimeError):
+    """An evicted request's token went through a forward without kvflow's hooks."""
 
 
 def _aborted(req) -> bool:
@@ -502,7 +546,8 @@ def _forward_batch(result, *args, **kwargs):
 
 def _attention(original, backend, q, k, v, layer, forward_batch, *args, **kwargs):
     out = original(backend, q, k, v, layer, forward_batch, *args, **kwargs)
-    if RUNTIME.rows:
+    if RUNTIME.rows and not RUNTIME.skip:
+        RUNTIME.layers_seen.add(layer.layer_id)
         RUNTIME.attended(q, layer, forward_batch)
         RUNTIME.masked_attention(q, out, layer)
     return out
@@ -566,6 +611,7 @@ def _internal_state(result, controller, *args, **kwargs):
         "peak_request_slots": RUNTIME.peak_slots,
         "compactions": RUNTIME.compactions,
         "retractions": RUNTIME.retractions,
+        "observed_tokens": RUNTIME.observed_tokens,
         "snapshots": len(RUNTIME.snapshots),
         "snapshot_tokens": sum(s.length for s in RUNTIME.snapshots.values()),
     }

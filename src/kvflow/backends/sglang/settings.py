@@ -22,15 +22,23 @@ RESERVED = {"model_path": "id", "tokenizer_path": "tokenizer", "dtype": "dtype",
 #: defaults on every device: overlap scheduling off (kvflow's plugin hooks see the batch that
 #: runs), tokens streamed as they come (kvflow's pruners stop candidates mid-step: SGLang's
 #: default batches 16 notifications before its event loop sees them), an idle scheduler that
-#: sleeps (it busy-polls otherwise: a whole core while the hf base decodes), quiet logs
+#: sleeps (it busy-polls otherwise: a whole core while the hf base decodes), quiet logs, and
+#: the `pytorch` sampler: kvflow draws every candidate from a per-request seed, and SGLang's
+#: own pick on CUDA (`flashinfer`) asserts that no seed is set whenever top-p, top-k or min-p
+#: is active (sglang/srt/layers/sampler.py) -- the first sampled batch would kill the scheduler
 COMMON = {"log_level": "error", "disable_overlap_schedule": True, "stream_interval": 1, "batch_notify_size": 1,
-          "sleep_on_idle": True}
+          "sleep_on_idle": True, "sampling_backend": "pytorch"}
 
 #: defaults without a GPU: kvflow's CPU platform (pure-torch kernels), no CUDA graphs, and a
 #: bounded token pool (SGLang would size it from the machine's whole memory)
-CPU = {"attention_backend": "torch_native", "sampling_backend": "pytorch", "disable_cuda_graph": True,
-       "max_total_tokens": 65536, "mem_fraction_static": 0.3}
+CPU = {"attention_backend": "torch_native", "disable_cuda_graph": True, "max_total_tokens": 65536,
+       "mem_fraction_static": 0.3}
 
+#: defaults of an engine that serves evicted proposers, on every device: decode without graphs.
+#: A replayed graph runs none of the Python in kvflow's attention hook (query windows, H2O
+#: statistics, hole masks), so compactions would select with stale state; the tripwire in
+#: `evict.py` stops an engine whose hooks missed a token, these settings keep it from firing
+EVICTING = {"disable_cuda_graph": True}
 
 def check_installed() -> Optional[str]:
     if importlib.util.find_spec("sglang") is None:
@@ -64,26 +72,70 @@ def server_arg_names() -> frozenset[str]:
     return frozenset(inspect.signature(ServerArgs).parameters)
 
 
-#: engine settings an evicted request cannot run under: (value that breaks it, why)
-EVICTING_REFUSES = {
-    "disable_overlap_schedule": (False, "kvflow's plugin compacts the batch that just ran; with overlap "
-                                        "scheduling the next one is already prepared"),
-    "page_size": (lambda v: v not in (None, 1), "a head keeps its own tokens in a request's slots: one token per page"),
-    "enable_mixed_chunk": (True, "evicted requests are extended and decoded in separate forwards"),
-    "speculative_algorithm": (lambda v: v is not None, "speculative decoding writes draft tokens kvflow does not evict"),
-}
+#: SGLang settings kvflow cannot run under, on any engine: (field, test of a bad value, why)
+REFUSED = (
+    ("sampling_backend", lambda v: v not in (None, "pytorch"),
+     "kvflow samples every candidate from its own seed, and SGLang's other samplers refuse per-request seeds "
+     "(flashinfer asserts `sampling_seed is None` with top-p/top-k/min-p); kvflow sets `pytorch`"),
+    ("disable_overlap_schedule", lambda v: v is False,
+     "kvflow's plugin reads each batch's results before the next batch is prepared; kvflow turns overlap off"),
+)
+
+#: attention backends whose KV pool kvflow's hooks read (one token per slot, keys and values per
+#: layer) and that run through `AttentionBackend.forward` (where kvflow observes attention)
+EVICTING_ATTENTION = ("torch_native", "triton", "flashinfer", "fa3")
+
+#: ... and on an engine that serves evicted proposers (the hooks of `evict.py`)
+REFUSED_EVICTING = (
+    ("disable_cuda_graph", lambda v: v is False,
+     "a replayed decode graph runs none of kvflow's attention hooks (query windows, H2O statistics, hole masks "
+     "would go stale); kvflow decodes evicted requests without graphs"),
+    ("enable_torch_compile", lambda v: v is True,
+     "a compiled forward bakes kvflow's Python attention hooks in at trace time"),
+    ("page_size", lambda v: v not in (None, 1),
+     "a head keeps its own tokens in a request's slots: one token per page"),
+    ("attention_backend", lambda v: v is not None and v not in EVICTING_ATTENTION,
+     "kvflow's hooks read keys and values from SGLang's one-token-per-slot MHA pool and run inside "
+     "`AttentionBackend.forward`; tested with torch_native, read for triton, flashinfer and fa3 "
+     "(set one of those)"),
+    ("prefill_attention_backend", lambda v: v is not None,
+     "separate prefill and decode backends run through SGLang's hybrid backend, which bypasses the hook kvflow "
+     "observes attention with"),
+    ("decode_attention_backend", lambda v: v is not None,
+     "separate prefill and decode backends run through SGLang's hybrid backend, which bypasses the hook kvflow "
+     "observes attention with"),
+    ("kv_cache_dtype", lambda v: v not in (None, "auto"),
+     "a quantized KV pool (fp8, fp4) holds raw bytes and scales, which kvflow's compaction would read as values; "
+     "use the model's dtype (`auto`)"),
+    ("enable_mixed_chunk", lambda v: v is True, "evicted requests are extended and decoded in separate forwards"),
+    ("speculative_algorithm", lambda v: v is not None, "speculative decoding writes draft tokens kvflow does not evict"),
+    ("dp_size", lambda v: v not in (None, 1),
+     "data-parallel replicas would receive a problem's requests without the snapshots another replica holds"),
+    ("pp_size", lambda v: v not in (None, 1),
+     "a pipeline-parallel rank holds some layers only, and kvflow compacts every layer of a request at once"),
+    ("enable_dp_attention", lambda v: v is True,
+     "attention data parallelism splits a batch's requests over ranks that do not hold their snapshots"),
+)
+
+
+def refusal(settings: dict, evicting: bool) -> Optional[tuple[str, str]]:
+    """(field, sentence) for the first setting kvflow cannot run under, or None. `settings`
+    is what a user wrote under `engine:` (only the keys present are judged) or what SGLang
+    resolved for the device (`SGLangEngine.resolved`): one rule table for both."""
+    rules = [(r, "under kvflow") for r in REFUSED]
+    if evicting:
+        rules += [(r, "an evicted proposer") for r in REFUSED_EVICTING]
+    for (key, bad, why), what in rules:
+        if key in settings and bad(settings[key]):
+            return (f"engine.{key}", f"`{key}: {settings[key]}` cannot run {what}: {why}")
+    return None
 
 
 def check_evicting(model_cfg, params) -> Optional[tuple[str, str]]:
     if getattr(params, "quantize", None):
         return ("params.quantize", "backend 'sglang' does not store quantized KV (SGLang's pool has one "
                                    "precision per layer); use backend 'hf' for `quantize`")
-    for key, (bad, why) in EVICTING_REFUSES.items():
-        if key in (model_cfg.engine or {}):
-            value = model_cfg.engine[key]
-            if (bad(value) if callable(bad) else value == bad):
-                return (f"engine.{key}", f"`{key}: {value}` cannot run an evicted proposer: {why}")
-    return None
+    return refusal(model_cfg.engine or {}, evicting=True)
 
 
 def check_settings(model_cfg) -> Optional[tuple[str, str]]:
@@ -98,7 +150,7 @@ def check_settings(model_cfg) -> Optional[tuple[str, str]]:
             close = difflib.get_close_matches(key, sorted(names), n=1, cutoff=0.6)
             hint = f"; did you mean '{close[0]}'?" if close else "; `python -m sglang.launch_server --help` lists them"
             return (f"engine.{key}", f"unknown SGLang server argument '{key}'{hint}")
-    return None
+    return refusal(model_cfg.engine or {}, evicting=False)
 
 
 def check_model(model_cfg) -> Optional[str]:
@@ -121,8 +173,10 @@ def check_model(model_cfg) -> Optional[str]:
     return None
 
 
-def engine_kwargs(model_cfg) -> dict:
-    """The `sglang.Engine` arguments of a model entry (its directory must exist)."""
+def engine_kwargs(model_cfg, evicting: bool = True) -> dict:
+    """The `sglang.Engine` arguments of a model entry (its directory must exist): kvflow's
+    defaults for the device (and, where the engine serves evicted proposers, for those), under
+    the entry's own `engine:` settings."""
     from kvflow.models.loading import model_directory, resolve_device
 
     device = resolve_device(model_cfg.device)
@@ -136,6 +190,8 @@ def engine_kwargs(model_cfg) -> dict:
     kwargs.update(COMMON)
     if device == "cpu":
         kwargs.update(CPU)
+    if evicting:
+        kwargs.update(EVICTING)
     kwargs.update(model_cfg.engine or {})
     return kwargs
 
@@ -143,15 +199,40 @@ def engine_kwargs(model_cfg) -> dict:
 _ENGINES: dict[tuple, Any] = {}
 
 
-def load_engine(model_cfg):
+#: the resolved settings `manifest.json` records per SGLang engine (all of them: `SGLangEngine.resolved`)
+RECORDED = ("device", "dtype", "sampling_backend", "attention_backend", "prefill_attention_backend",
+            "decode_attention_backend", "page_size", "kv_cache_dtype", "disable_cuda_graph", "cuda_graph_max_bs",
+            "enable_torch_compile", "disable_overlap_schedule", "disable_radix_cache", "tp_size", "dp_size", "pp_size",
+            "base_gpu_id", "mem_fraction_static", "max_total_tokens", "context_length", "chunked_prefill_size",
+            "max_running_requests", "enable_deterministic_inference", "speculative_algorithm")
+
+
+def check_resolved(resolved: dict, evicting: bool) -> None:
+    """Refuse what SGLang resolved for this device that kvflow cannot serve (it may differ from
+    what the entry asked: SGLang picks `trtllm_mha` with `page_size` 64 on Blackwell, say)."""
+    from kvflow.errors import EngineSettingError
+
+    why = refusal(resolved, evicting)
+    if why is not None:
+        field, message = why
+        key = field.removeprefix("engine.")
+        raise EngineSettingError(field, f"SGLang resolved this for the device ({message})",
+                                 f"set models.<entry>.engine.{key} to a value kvflow serves "
+                                 f"(docs/backends.md, \"Running on GPUs\")")
+
+
+def load_engine(model_cfg, evicting: bool = True):
     """The engine of a model entry; entries with the same engine arguments share one (one
-    SGLang worker, one set of weights)."""
+    SGLang worker, one set of weights). `evicting`: whether evicted proposers run on it (their
+    defaults apply and their refusals are checked against what SGLang resolved); True unless
+    the caller knows otherwise."""
     from kvflow.backends.sglang.client import shared
     from kvflow.backends.sglang.engine import SGLangEngine
     from kvflow.models.loading import eos_token_ids
 
-    kwargs = engine_kwargs(model_cfg)
+    kwargs = engine_kwargs(model_cfg, evicting)
     worker = shared(kwargs, f"models entry {model_cfg.id!r} (backend sglang)")
+    check_resolved(worker.info.get("server_args") or {}, evicting)
     engine = _ENGINES.get(id(worker))
     if engine is None or engine.worker is not worker:
         from transformers import AutoConfig, AutoTokenizer
@@ -162,6 +243,7 @@ def load_engine(model_cfg):
         engine = SGLangEngine(worker, tokenizer, vocab_size=config.vocab_size, kv_shape=_kv_shape(config, model_cfg),
                               eos_ids=eos_token_ids(_generation_config(kwargs["model_path"]), config, tokenizer),
                               device=kwargs["device"])
+        engine.resolved = dict(worker.info.get("server_args") or {})
         _ENGINES[id(worker)] = engine
     engine.reset()
     return engine

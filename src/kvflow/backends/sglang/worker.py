@@ -9,7 +9,7 @@ costs this worker, and kvflow's own process reports it and can resume.
 Protocol (`frames`: 4-byte little-endian length + pickle, stdin → requests, stdout →
 replies; SGLang's own prints go to stderr):
     → {"engine": kwargs}                      first frame: build the engine
-    ← ("ready", info)                        info: sglang version, server args in effect
+    ← ("ready", info)                        info: sglang version, the server args SGLang resolved
     → ("generate", rid, input_ids, sampling_params, top_logprobs)
     ← ("tokens", rid, ids, logprobs, top)    new tokens as they stream (deltas)
     ← ("end", rid, finish, meta)             finish: SGLang's finish_reason
@@ -132,6 +132,13 @@ def _meta(meta: dict) -> dict:
     return {k: meta.get(k) for k in ("prompt_tokens", "cached_tokens", "completion_tokens")}
 
 
+def resolved_settings(server_args) -> dict:
+    """What SGLang resolved for this device (its final server arguments, not what was asked):
+    plain values only, so that they travel over the pipe and into `manifest.json`."""
+    resolved = server_args.resolved_dict()
+    return {k: v for k, v in resolved.items() if isinstance(v, (str, int, float, bool, type(None)))}
+
+
 def _read_requests(stream, loop, inbox: asyncio.Queue) -> None:
     while True:
         msg = read_frame(stream)
@@ -159,7 +166,8 @@ def main() -> int:
         return 1
     args = engine.server_args
     write_frame(out, ("ready", {"version": sglang.__version__, "max_total_tokens": getattr(args, "max_total_tokens", None),
-                                "context_length": getattr(args, "context_length", None)}))
+                                "context_length": getattr(args, "context_length", None),
+                                "server_args": resolved_settings(args)}))
     worker = _Worker(engine, out)
     inbox: asyncio.Queue = asyncio.Queue()
     threading.Thread(target=_read_requests, args=(inp, worker.loop, inbox), daemon=True).start()

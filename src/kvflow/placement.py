@@ -1,0 +1,428 @@
+"""Which GPU(s) each model of a pipeline runs on, and whether they all fit (DESIGN.md §11).
+
+In one process with several GPUs, a model entry whose `device` is `auto` gets its GPU by the
+rule below, and a pipeline whose models cannot fit is refused before any engine starts.
+`place()` is the rule: a pure function of the models' demands and the GPUs' sizes.
+`place_pipeline()` reads the demands of a pipeline's used models (no weights loaded, no
+network); `cuda_devices()` asks torch for the GPUs (the one torch use here, imported late).
+
+The rule (docs/backends.md, "Placement on several GPUs"):
+
+1. An entry asked for a GPU explicitly is placed where asked and counted: `device: cuda:i`,
+   or on `backend: sglang` an `engine.base_gpu_id` (SGLang's own setting; it wins over the
+   device's index, as it does in SGLang). `device: cuda` without an index only asks for a
+   GPU: the rule picks which. `cpu` (and any other device) is not placed.
+2. Entries that need several GPUs (SGLang: tp_size x dp_size x pp_size / nnodes > 1) next,
+   largest first, each on the first run of consecutive GPUs (`gpu_id_step` apart, as SGLang
+   lays ranks out from `base_gpu_id`) where its claim fits on every one.
+3. The rest largest first, each on the GPU with the most memory left after it (ties: the
+   lowest index). A model joins another's GPU only when no GPU has more room, so two models
+   share a GPU only when there are more models than GPUs, or the others are fuller.
+
+Claims (bytes an entry asks of each GPU it occupies):
+
+- `sglang`: `mem_fraction_static` x the GPU's total memory. SGLang keeps its weights and its
+  static KV pool inside that fraction (and sizes the pool from the memory free when it
+  starts, so this is an upper bound). Without the setting SGLang takes about all of a GPU
+  but its activation room; it is counted as SGLANG_DEFAULT_FRACTION (0.9).
+- any other backend (`hf`: in kvflow's process): its weights x HF_HEADROOM (1.2): 20% over
+  the weights for activations, logits and a small KV cache. A large full-KV cache of an `hf`
+  proposer comes on top (`kvflow explain` prints its bytes per sequence).
+
+Refused with a UserError naming the field, before any engine starts: claims on one GPU over
+CAPACITY_SHARE (0.95) of its memory (named at the entry placed there last: its `device`, or
+`engine.mem_fraction_static` of an SGLang engine); an SGLang fraction too small for its
+share of the weights (not checked for a quantized checkpoint, whose bytes per weight are not
+`dtype`'s); more GPUs than the machine has; an explicit index past the last GPU.
+
+Weights = parameters x bytes per element of `dtype` (`auto`: 2). Parameters are counted from
+the checkpoint's safetensors headers or estimated from its config.json where those are at hand
+(a local directory, a catalog model's converted copy, a hub id whose config.json is in the
+local Hugging Face cache; `kvflow.cost`), else the paper's presets by name
+(`qwen2.5-math-72b`...), else a name-based estimate from the size in the id ("72B", "1.5B",
+"500M"; also for GGUF files, whose tables take seconds to read). A model of unknown size is
+counted as 0 bytes, and its note says so.
+
+Without GPUs (an empty device list) nothing is placed: `auto` stays auto (the CPU).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+
+from kvflow.errors import ConfigProblem, UserError
+
+log = logging.getLogger(__name__)
+
+#: share of a GPU's total memory that the claims on it may add up to (the rest: CUDA context,
+#: allocator fragmentation, NCCL buffers)
+CAPACITY_SHARE = 0.95
+#: an in-process (hf) model's claim: its weights x this (activations, logits, a small KV cache)
+HF_HEADROOM = 1.2
+#: an SGLang engine without `mem_fraction_static` on a GPU: about what SGLang takes for itself
+SGLANG_DEFAULT_FRACTION = 0.9
+#: bytes per weight by `dtype`
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "auto": 2}
+
+#: (GPU index, total memory in bytes), as torch.cuda.get_device_properties(i).total_memory
+Gpu = tuple[int, int]
+#: makes a located problem: (dotted path, message, hint) -> ConfigProblem (LoadedPipeline.problem)
+ProblemMaker = Callable[[str, str, Optional[str]], ConfigProblem]
+
+_SIZE_IN_NAME = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)([bm])(?![a-z0-9])", re.IGNORECASE)
+_GIB = 2**30
+_PLACED_DEVICE = re.compile(r"auto|cuda(:\d+)?")
+_QUANTIZED_NAME = re.compile(r"awq|gptq|fp8|int4|int8|[48]bit|nf4|gguf", re.IGNORECASE)
+
+
+def _plain_problem(path: str, message: str, hint: Optional[str] = None) -> ConfigProblem:
+    return ConfigProblem("", 0, path, message, hint)
+
+
+def _gib(n: float) -> str:
+    return f"{n / _GIB:.1f} GiB"
+
+
+def _span(indices: Sequence[int]) -> str:
+    if len(indices) == 1:
+        return f"GPU {indices[0]}"
+    step = indices[1] - indices[0]
+    consecutive = all(b - a == step for a, b in zip(indices, indices[1:]))
+    return (f"GPUs {indices[0]}-{indices[-1]}" if consecutive and step == 1
+            else "GPUs " + ", ".join(map(str, indices)))
+
+
+@dataclass(frozen=True)
+class Demand:
+    """What one engine (one or more model keys with the same settings) asks of the GPUs."""
+
+    key: str  # the first model key it serves (problems are located there)
+    backend: str
+    device: str  # the entry's `device`: auto | cuda | cuda:N
+    weight_bytes: Optional[float]  # all its weights (None: unknown)
+    weights_from: str  # where the size came from, in words
+    also: tuple[str, ...] = ()  # other model keys served by the same engine
+    gpu_count: int = 1  # GPUs it occupies (SGLang: tp x dp x pp / nnodes)
+    weight_shards: int = 1  # the weights are split over this many GPUs (SGLang: tp x pp)
+    mem_fraction: Optional[float] = None  # SGLang's mem_fraction_static as set (None: not set)
+    base_gpu_id: Optional[int] = None  # SGLang's base_gpu_id as set
+    gpu_id_step: int = 1
+    quantized: bool = False  # a quantized checkpoint: weight_bytes (params x dtype bytes) overstates it
+
+    @property
+    def sglang(self) -> bool:
+        return self.backend == "sglang"
+
+    @property
+    def fraction(self) -> float:
+        return self.mem_fraction if self.mem_fraction is not None else SGLANG_DEFAULT_FRACTION
+
+    def explicit_gpu(self) -> Optional[int]:
+        """The first GPU the entry itself names, or None when the rule picks."""
+        if self.sglang and self.base_gpu_id is not None:
+            return self.base_gpu_id
+        if self.device.startswith("cuda:"):
+            return int(self.device.split(":", 1)[1])
+        return None
+
+    def field_to_change(self) -> str:
+        """The dotted field to name when this entry's GPU is too full."""
+        return f"models.{self.key}." + ("engine.mem_fraction_static" if self.sglang else "device")
+
+    def gpus_from(self, first: int) -> list[int]:
+        return [first + i * self.gpu_id_step for i in range(self.gpu_count)]
+
+    def claim(self, total_bytes: int) -> float:
+        """Bytes asked of a GPU of `total_bytes` that this entry occupies."""
+        if self.sglang:
+            return self.fraction * total_bytes
+        return (self.weight_bytes or 0.0) * HF_HEADROOM
+
+    def how(self) -> str:
+        """How the claim is counted, in words."""
+        if self.sglang:
+            frac = (f"mem_fraction_static {self.fraction:g}" if self.mem_fraction is not None
+                    else f"no mem_fraction_static: {SGLANG_DEFAULT_FRACTION:g} counted")
+            return f"sglang: {frac} of each GPU; {self._weights()}"
+        return f"{self.backend}: weights x {HF_HEADROOM:g}; {self._weights()}"
+
+    def _weights(self) -> str:
+        if self.weight_bytes is None:
+            return "weights of unknown size, counted as 0"
+        return f"weights {_gib(self.weight_bytes)}, from {self.weights_from}"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The rule's answer: GPU indices per model key and the bytes each GPU is asked for."""
+
+    gpus: tuple[Gpu, ...]
+    assigned: dict[str, tuple[int, ...]] = field(default_factory=dict)  # model key -> GPU indices
+    claims: dict[int, dict[str, float]] = field(default_factory=dict)  # GPU -> {model key: bytes}
+    notes: dict[str, str] = field(default_factory=dict)  # model key -> how its claim was counted
+
+    def placed_models(self, models: Mapping[str, Any]) -> dict[str, Any]:
+        """`models` (ModelConfig by key) with each placed entry's device set to `cuda:i` and,
+        on SGLang, `engine.base_gpu_id: i` where the entry set none."""
+        out = dict(models)
+        for key, indices in self.assigned.items():
+            cfg = models[key]
+            update: dict[str, Any] = {"device": f"cuda:{indices[0]}"}
+            if cfg.backend == "sglang" and "base_gpu_id" not in (cfg.engine or {}):
+                update["engine"] = {**(cfg.engine or {}), "base_gpu_id": indices[0]}
+            out[key] = cfg.model_copy(update=update)
+        return out
+
+    def to_dict(self) -> dict:
+        """Plain data for manifest.json: per model its GPUs and claim, per GPU its bytes."""
+        totals = dict(self.gpus)
+        return {
+            "models": {key: {"gpus": list(idx), "note": self.notes.get(key, "")} for key, idx in self.assigned.items()},
+            "gpus": {str(i): {"total_bytes": totals[i], "claimed_bytes": int(sum(c.values())),
+                              "models": {k: int(v) for k, v in c.items()}}
+                     for i, c in self.claims.items() if c},
+            "rule": {"capacity_share": CAPACITY_SHARE, "hf_headroom": HF_HEADROOM,
+                     "sglang_default_fraction": SGLANG_DEFAULT_FRACTION},
+        }
+
+    def lines(self) -> list[str]:
+        """The placement in words, one line per model and per GPU in use."""
+        totals = dict(self.gpus)
+        out = [f"  models.{key}: {_span(idx)} ({self.notes.get(key, '')})" for key, idx in self.assigned.items()]
+        for i, c in self.claims.items():
+            if c:
+                used = sum(c.values())
+                out.append(f"  GPU {i}: {_gib(used)} of {_gib(totals[i])} ({used / totals[i]:.0%}): "
+                           + ", ".join(f"{k} {_gib(v)}" for k, v in c.items()))
+        return out
+
+
+def place(demands: Iterable[Demand], gpus: Sequence[Gpu], problem: ProblemMaker = _plain_problem) -> Placement:
+    """Place `demands` on `gpus` by the module's rule; a UserError (one problem per entry to
+    change, located by `problem`) when they do not fit. No GPUs: nothing is placed."""
+    demands = list(demands)
+    if not gpus:
+        return Placement(())
+    totals = dict(gpus)
+    claims: dict[int, dict[str, float]] = {i: {} for i in sorted(totals)}
+    by_key = {d.key: d for d in demands}
+    assigned: dict[str, tuple[int, ...]] = {}
+    problems: list[ConfigProblem] = []
+
+    def left(i: int) -> float:  # bytes a GPU may still be asked for
+        return CAPACITY_SHARE * totals[i] - sum(claims[i].values())
+
+    def put(d: Demand, indices: Sequence[int]) -> None:
+        for key in (d.key, *d.also):
+            assigned[key] = tuple(indices)
+        for i in indices:
+            claims[i][d.key] = d.claim(totals[i])
+
+    biggest = max(totals.values())
+    largest_first = lambda d: -d.claim(biggest) * d.gpu_count  # noqa: E731 - a sort key; sorted() is stable
+    fixed = [d for d in demands if d.explicit_gpu() is not None]
+    auto = sorted((d for d in demands if d.explicit_gpu() is None), key=largest_first)
+    for d in fixed:
+        indices = d.gpus_from(d.explicit_gpu())
+        if all(i in totals for i in indices):
+            put(d, indices)
+            continue
+        where = (f"models.{d.key}.engine.base_gpu_id" if d.sglang and d.base_gpu_id is not None
+                 else f"models.{d.key}.device")
+        problems.append(problem(where, f"asks for {_span(indices)}, but this machine has {_span(sorted(totals))}",
+                                "set `device: auto` (the placement rule picks a GPU) or an index that exists"))
+    for d in [d for d in auto if d.gpu_count > 1] + [d for d in auto if d.gpu_count == 1]:
+        windows = [w for w in (d.gpus_from(first) for first in sorted(totals)) if all(i in totals for i in w)]
+        if not windows:
+            problems.append(problem(f"models.{d.key}.engine.tp_size",
+                                    f"this SGLang engine needs {d.gpu_count} GPUs (tp_size x dp_size x pp_size), "
+                                    f"but this machine has {len(totals)}",
+                                    "lower tp_size or dp_size, or run on a machine with more GPUs"))
+            continue
+        room_after = lambda w: min(left(i) - d.claim(totals[i]) for i in w)  # noqa: E731
+        if d.gpu_count > 1:  # the first run where it fits, else the roomiest (refused below)
+            put(d, next((w for w in windows if room_after(w) >= 0), max(windows, key=room_after)))
+        else:  # the GPU with the most room left after it; max() keeps the lowest index on ties
+            put(d, max(windows, key=room_after))
+
+    problems += _overfull(claims, totals, by_key, problem)
+    problems += _weights_too_big(demands, assigned, totals, problem)
+    if problems:
+        raise UserError(problems)
+    notes = {key: by_key[key].how() if key in by_key else "" for key in assigned}
+    for d in demands:  # keys served by one engine share its note
+        for key in d.also:
+            notes[key] = f"same engine as models.{d.key}"
+    return Placement(tuple(sorted(gpus)), assigned, claims, notes)
+
+
+def _overfull(claims, totals, by_key, problem: ProblemMaker) -> list[ConfigProblem]:
+    """One problem per entry placed last on a GPU whose claims exceed CAPACITY_SHARE of it."""
+    over: dict[str, list[int]] = {}  # the entry to move or shrink -> its overfull GPUs
+    for i, c in claims.items():
+        if c and sum(c.values()) > CAPACITY_SHARE * totals[i] * (1 + 1e-9):
+            over.setdefault(list(c)[-1], []).append(i)
+    problems = []
+    for key, indices in over.items():
+        i = indices[0]
+        c = claims[i]
+        on_gpu = [by_key[k] for k in c]
+        where = "each of " + _span(indices) if len(indices) > 1 else _span(indices)
+        if all(d.sglang for d in on_gpu):
+            total = sum(d.fraction for d in on_gpu)
+            message = (f"the SGLang engines on {where} ask for mem_fraction_static "
+                       + " + ".join(f"{d.fraction:g} (models.{d.key})" for d in on_gpu)
+                       + f" = {total:.2f} of it, over {CAPACITY_SHARE:g}")
+            hint = ("lower mem_fraction_static so that the engines sharing a GPU add up to "
+                    f"{CAPACITY_SHARE:g} at most, or give this engine a GPU of its own (`device: cuda:<i>`)")
+        else:
+            used = sum(c.values())
+            message = (f"{where} ({_gib(totals[i])}) is asked for {_gib(used)}, over {CAPACITY_SHARE:.0%} of it "
+                       f"({_gib(CAPACITY_SHARE * totals[i])}): "
+                       + "; ".join(f"models.{d.key} {_gib(c[d.key])} ({d.how()})" for d in on_gpu))
+            hint = ("the models do not fit these GPUs by kvflow's placement rule (docs/backends.md, \"Placement on "
+                    "several GPUs\"): use a machine with more or larger GPUs, a smaller dtype or model, lower "
+                    "mem_fraction_static on SGLang engines, or `device: cpu` for a model that may run slowly")
+        problems.append(problem(by_key[key].field_to_change(), message, hint))
+    return problems
+
+
+def _weights_too_big(demands, assigned, totals, problem: ProblemMaker) -> list[ConfigProblem]:
+    """An SGLang engine whose share of the weights does not fit in its fraction of a GPU."""
+    problems = []
+    for d in demands:
+        if not d.sglang or d.weight_bytes is None or d.quantized or d.key not in assigned:
+            continue
+        shard = d.weight_bytes / d.weight_shards
+        smallest = min(totals[i] for i in assigned[d.key])
+        if shard >= d.fraction * smallest:
+            problems.append(problem(
+                f"models.{d.key}.engine.mem_fraction_static",
+                f"{_gib(shard)} of weights per GPU ({_gib(d.weight_bytes)} over tp_size x pp_size = "
+                f"{d.weight_shards}; {d.weights_from}) do not fit in {d.fraction:g} of a {_gib(smallest)} GPU, "
+                "and SGLang keeps weights and KV pool inside that fraction",
+                "raise mem_fraction_static, or tp_size (more GPUs share the weights)"))
+    return problems
+
+
+# --------------------------------------------------------------------------- demands of a pipeline
+
+
+def parameter_count(model_cfg: Any) -> tuple[Optional[float], str]:
+    """(parameters, where the number came from) of a ModelConfig, without weights or network:
+    the checkpoint or config.json where at hand, else a paper preset by name, else the size
+    in the id (a name-based estimate), else (None, "unknown")."""
+    from kvflow.cost import PRESETS, resolve_shape
+    from kvflow.models.catalog import CatalogError, get_entry
+    from kvflow.models.loading import resolve_source
+
+    spec: Optional[str] = None
+    try:
+        src = resolve_source(model_cfg.id, getattr(model_cfg, "gguf_file", None))
+        if src.kind == "hub":
+            spec = _hub_config(src.ref, getattr(model_cfg, "revision", None))
+        elif src.kind == "catalog":  # its converted copy's config, if converted already
+            converted = sorted(get_entry(src.ref).path().parent.glob("hf-*/config.json"))
+            spec = str(converted[0]) if converted else None
+        elif src.kind == "dir" and not src.gguf_file:
+            spec = src.ref
+        # a GGUF file goes by its name: reading its tables (the whole vocabulary) takes seconds
+    except CatalogError:
+        pass
+    if spec:
+        try:
+            shape = resolve_shape(spec)
+            return shape.n_params, shape.source
+        except Exception as e:  # noqa: BLE001 - not cached, unreadable: fall back to the name
+            log.debug("placement: no shape for %s from %s: %s", model_cfg.id, spec, e)
+    name = model_cfg.id.removeprefix("catalog:").rstrip("/").rsplit("/", 1)[-1]
+    presets = [p for p in PRESETS if name.lower() == p or name.lower().startswith(p + "-")]
+    if presets:
+        preset = max(presets, key=len)
+        return PRESETS[preset].n_params, f"preset {preset}"
+    sizes = _SIZE_IN_NAME.findall(name)
+    if sizes:
+        number, unit = sizes[-1]
+        return float(number) * (1e9 if unit.lower() == "b" else 1e6), f"a name-based estimate ('{number}{unit}' in the id)"
+    return None, "unknown"
+
+
+def _hub_config(repo: str, revision: Optional[str]) -> Optional[str]:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        got = try_to_load_from_cache(repo, "config.json", revision=revision)
+    except Exception:  # noqa: BLE001 - not a valid repo id
+        return None
+    return got if isinstance(got, str) else None
+
+
+def demand_of(key: str, model_cfg: Any, also: tuple[str, ...] = ()) -> Demand:
+    """A model entry's demand: its size and, on SGLang, the GPUs and fraction it asks for."""
+    params, source = parameter_count(model_cfg)
+    weight_bytes = None if params is None else params * DTYPE_BYTES.get(model_cfg.dtype, 2)
+    engine = dict(model_cfg.engine or {}) if model_cfg.backend == "sglang" else {}
+
+    def setting(name: str, default: int = 1) -> int:
+        value = engine.get(name)
+        return int(value) if value is not None else default
+
+    tp, dp, pp, nodes = setting("tp_size"), setting("dp_size"), setting("pp_size"), setting("nnodes")
+    fraction = engine.get("mem_fraction_static")
+    return Demand(key, model_cfg.backend, model_cfg.device, weight_bytes, source, also=also,
+                  gpu_count=max(1, tp * dp * pp // max(1, nodes)), weight_shards=max(1, tp * pp),
+                  mem_fraction=None if fraction is None else float(fraction),
+                  base_gpu_id=None if engine.get("base_gpu_id") is None else int(engine["base_gpu_id"]),
+                  gpu_id_step=setting("gpu_id_step"),
+                  quantized=bool(engine.get("quantization") or _QUANTIZED_NAME.search(model_cfg.id)))
+
+
+def pipeline_demands(models: Mapping[str, Any], keys: Iterable[str]) -> list[Demand]:
+    """One demand per engine among the used model `keys`: keys whose entries are equal share an
+    engine (one copy of the weights, as the backends share them), so they are placed once."""
+    groups: dict[str, list[str]] = {}
+    for key in keys:
+        cfg = models[key]
+        if _PLACED_DEVICE.fullmatch(cfg.device):  # not cpu (nor another kind of device)
+            groups.setdefault(cfg.model_dump_json(), []).append(key)
+    return [demand_of(ks[0], models[ks[0]], tuple(ks[1:])) for ks in groups.values()]
+
+
+def place_pipeline(loaded: Any, gpus: Sequence[Gpu], keys: Iterable[str]) -> Placement:
+    """The placement of a LoadedPipeline's used model `keys` (`compile.used_models`) on `gpus`,
+    with problems located in its file."""
+    if not gpus:
+        return Placement(())
+    demands = pipeline_demands(loaded.pipeline.models, keys)
+    return place(demands, gpus, problem=loaded.problem)
+
+
+def cuda_devices() -> list[Gpu]:
+    """This machine's CUDA GPUs as (index, total bytes); [] without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    return [(i, int(torch.cuda.get_device_properties(i).total_memory)) for i in range(torch.cuda.device_count())]
+
+
+def parse_gpus(text: str) -> list[Gpu]:
+    """`8x80` (8 GPUs of 80 GB, 10^9 bytes) or `80,80,24` (one size per GPU; a `GiB` suffix
+    means 2^30 bytes) -> [(0, 80e9), ...], a stand-in device list for `kvflow explain --gpus`."""
+    text = text.strip().lower().replace(" ", "")
+    match = re.fullmatch(r"(\d+)x(\d+(?:\.\d+)?)(gb|gib)?", text)
+    sizes = ([match.group(2) + (match.group(3) or "")] * int(match.group(1)) if match
+             else [s for s in text.split(",") if s])
+    out = []
+    for i, size in enumerate(sizes):
+        m = re.fullmatch(r"(\d+(?:\.\d+)?)(gb|gib)?", size)
+        if not m or float(m.group(1)) <= 0:
+            raise UserError(f"--gpus {text!r}: '{size}' is not a GPU size",
+                            hint="e.g. --gpus 8x80 (8 GPUs of 80 GB) or --gpus 80,80,24")
+        out.append((i, int(float(m.group(1)) * (2**30 if m.group(2) == "gib" else 10**9))))
+    if not out:
+        raise UserError("--gpus: no GPUs given", hint="e.g. --gpus 8x80")
+    return out
