@@ -226,6 +226,7 @@ def _budget_lines(pname: str, cls: type, params: Any, shape: Optional["ModelShap
 def explain_lines(loaded: "LoadedPipeline", registry: Optional["Registry"] = None,
                   gpus: Optional[list[tuple[int, int]]] = None) -> list[str]:
     from kvflow.cost import kv_bytes_per_token
+    from kvflow.versions import versions_line
 
     pipe = loaded.pipeline
     comps = loaded.components
@@ -233,6 +234,7 @@ def explain_lines(loaded: "LoadedPipeline", registry: Optional["Registry"] = Non
     out.append(f"pipeline {pipe.name} ({loaded.path}, config hash {loaded.hash})")
     if pipe.description:
         out.append(f"  {pipe.description.strip()}")
+    out.append(f"  versions in use: {versions_line()}")
 
     sources: dict[str, str] = {}
 
@@ -328,8 +330,13 @@ def explain_lines(loaded: "LoadedPipeline", registry: Optional["Registry"] = Non
                                        "kvflow's SGLang plugin)" for n in evicted))
             if full or ident == scorer_engine:
                 kinds.append((", ".join(full) + " " if full else "") + "full context, prefix kept in its radix cache")
-            out.append("    SGLang in a worker process; " + "; ".join(kinds) + "; kvflow's defaults where no GPU: "
-                       + ", ".join(f"{k}={v}" for k, v in _sglang_cpu_defaults().items()))
+            common, evicting, cpu = _sglang_defaults()
+            out.append("    SGLang in a worker process; " + "; ".join(kinds) + "; kvflow's defaults: "
+                       + ", ".join(f"{k}={v}" for k, v in common.items())
+                       + (", " + ", ".join(f"{k}={v}" for k, v in evicting.items()) + " (evicted proposers)"
+                          if evicted else "")
+                       + "; where no GPU also " + ", ".join(f"{k}={v}" for k, v in cpu.items())
+                       + " (docs/backends.md, \"Running on GPUs\")")
 
     if gpus:
         out.append("")
@@ -404,7 +411,7 @@ def explain_command(file: Union[str, os.PathLike], *, sets=(), unsets=(), regist
     return loaded
 
 
-def _sglang_cpu_defaults() -> dict:
-    from kvflow.backends.sglang.settings import CPU, COMMON
+def _sglang_defaults() -> tuple[dict, dict, dict]:
+    from kvflow.backends.sglang.settings import COMMON, CPU, EVICTING
 
-    return {**COMMON, **CPU}
+    return COMMON, EVICTING, CPU

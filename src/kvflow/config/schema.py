@@ -106,6 +106,11 @@ class RunConfig(Frozen):
         None, ge=1, description="Torch CPU threads during the run (restored after it); unset: torch's default "
         "(OMP_NUM_THREADS). On a small shared CPU one thread can be several times faster (docs/benchmarks.md).")
     record_signals: bool = Field(False, description="Record every candidate's per-token pruner signals in samples.jsonl (for `kvflow calibrate`).")
+    deterministic: bool = Field(
+        False, description="Deterministic kernels where the engine has them: SGLang's batch-invariant "
+        "`enable_deterministic_inference` (a GPU attention backend; refused on a CPU), and on `hf` torch's "
+        "deterministic algorithms (a rerun of the same schedule is bitwise identical; hf's batched forward stays "
+        "batch-variant at the last bit: docs/concepts.md).")
     baselines: Optional[BaselinesConfig] = Field(
         None, description="Results directories whose metrics.json give recovery = (acc - acc_evicted) / (acc_full - acc_evicted).")
 

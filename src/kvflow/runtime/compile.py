@@ -40,6 +40,7 @@ def check_models(loaded: LoadedPipeline, registry=None) -> None:
         elif why:
             problems.append(loaded.problem(f"models.{key}.id", f"model {cfg.id!r} is not available: {why}", CPU_HINT))
     problems += engine_use_problems(loaded, registry)
+    problems += deterministic_problems(loaded)
     if problems:
         raise UserError(problems)
 
@@ -113,6 +114,7 @@ def build_plan(loaded: LoadedPipeline, registry, on_load: Callable[[str], None] 
     from kvflow.runtime.scheduler import Plan, Proposer
 
     loaded, _ = place_models(loaded, gpus)  # before any engine starts: refuses what cannot fit
+    loaded = deterministic_engines(loaded)
     pipe = loaded.pipeline
     engines: dict[str, object] = {}
     evicting = {p.model for p in pipe.proposers.values() if p.evictor.kind != "none"}
@@ -156,6 +158,37 @@ def build_plan(loaded: LoadedPipeline, registry, on_load: Callable[[str], None] 
     plan = Plan(proposers, scorer, committer, pipe.limits, pipe.run.seed, batch_problems=pipe.run.batch_problems,
                 live_problems=pipe.run.live_problems)
     return plan, engines
+
+
+def deterministic_engines(loaded: LoadedPipeline) -> LoadedPipeline:
+    """With `run.deterministic`, SGLang engines run SGLang's batch-invariant kernels
+    (`enable_deterministic_inference`); `check_models` refuses it where they cannot run."""
+    import dataclasses
+
+    pipe = loaded.pipeline
+    if not pipe.run.deterministic:
+        return loaded
+    models = {k: m.model_copy(update={"engine": {**(m.engine or {}), "enable_deterministic_inference": True}})
+              if m.backend == "sglang" else m for k, m in pipe.models.items()}
+    return dataclasses.replace(loaded, pipeline=pipe.model_copy(update={"models": models}))
+
+
+def deterministic_problems(loaded: LoadedPipeline) -> list:
+    """`run.deterministic` where an engine cannot have it: SGLang's deterministic inference
+    needs a GPU (it refuses the CPU's torch_native attention, and its seeded CPU kernel is not
+    on PyPI)."""
+    from kvflow.models.loading import resolve_device
+
+    pipe = loaded.pipeline
+    if not pipe.run.deterministic:
+        return []
+    return [loaded.problem("run.deterministic", f"models.{key} runs on SGLang on the CPU, where SGLang has no "
+                                                "deterministic (batch-invariant) inference: it needs a GPU attention "
+                                                "backend (flashinfer, fa3 or triton)",
+                           f"unset run.deterministic, or put models.{key} on backend 'hf' (torch's deterministic "
+                           "algorithms)")
+            for key in used_models(loaded)
+            if pipe.models[key].backend == "sglang" and resolve_device(pipe.models[key].device) == "cpu"]
 
 
 def load_engine(backend, model_cfg, *, evicting: bool):

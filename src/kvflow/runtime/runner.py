@@ -10,7 +10,7 @@ stderr is a terminal, else one line per finished problem.
 from __future__ import annotations
 
 import datetime as _dt
-import importlib.metadata
+import os
 import platform
 import signal
 import subprocess
@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
-import kvflow
+from kvflow.versions import installed_versions, versions_line
 from kvflow.config.validate import LoadedPipeline
 from kvflow.errors import ConfigProblem, UserError
 from kvflow.runtime import compile as compile_
@@ -105,6 +105,7 @@ def run_pipeline(loaded: LoadedPipeline, *, force: bool = False, registry=None, 
     # loads: the output path, the models' files, the dataset, a previous run's directory
     check_output(loaded)
     compile_.check_models(loaded, registry)
+    _say(quiet, f"versions: {versions_line()}")
     problems = load_dataset(loaded)
     store = ResultsDir(results_path(loaded))
     owners = compile_.pruner_owners(loaded)
@@ -153,12 +154,17 @@ def _decode(loaded: LoadedPipeline, registry, store: ResultsDir, todo, quiet: bo
 
     pipe = loaded.pipeline
     threads = torch.get_num_threads()
+    deterministic = torch.are_deterministic_algorithms_enabled()
     if pipe.run.threads:
         torch.set_num_threads(pipe.run.threads)
+    if pipe.run.deterministic:  # hf: deterministic kernels (cuBLAS needs its workspace setting for it)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     try:
         _decode_with(loaded, registry, store, todo, quiet)
     finally:
-        torch.set_num_threads(threads)  # in-process callers (tests, notebooks) keep their setting
+        torch.set_num_threads(threads)  # in-process callers (tests, notebooks) keep their settings
+        torch.use_deterministic_algorithms(deterministic)
 
 
 def _decode_with(loaded: LoadedPipeline, registry, store: ResultsDir, todo, quiet: bool) -> None:
@@ -302,12 +308,7 @@ def _record(traj, problem, prediction, correct: bool, seconds: float, plan, timi
 
 
 def _manifest(loaded: LoadedPipeline, registry) -> dict:
-    versions = {"kvflow": kvflow.__version__, "python": platform.python_version()}
-    for mod in ("torch", "transformers", "sglang"):
-        try:
-            versions[mod] = importlib.metadata.version(mod)
-        except Exception:
-            versions[mod] = None
+    versions = installed_versions()
     return {
         "name": loaded.pipeline.name,
         "config_hash": loaded.hash,
