@@ -61,8 +61,16 @@ def test_sglang_picks_a_sampler_on_cuda_that_refuses_seeds_and_kvflow_sets_its_o
 
 
 def test_decode_graphs_are_off_for_evicting_engines_and_left_to_sglang_for_full_context_ones(resolved_on):
-    assert resolved_on("h100", evicting=True)["disable_cuda_graph"] is True
-    assert resolved_on("h100", evicting=False)["disable_cuda_graph"] is False  # SGLang's default on CUDA
+    """What SGLang resolved per forward phase (`cuda_graph_config`), not the input flag."""
+    from kvflow.backends.sglang.settings import refusal
+
+    evicting = resolved_on("h100", evicting=True)
+    assert evicting["disable_cuda_graph"] is True
+    assert {p["backend"] for p in evicting["cuda_graph_config"].values()} == {"disabled"}
+    full = resolved_on("h100", evicting=False)
+    assert full["cuda_graph_config"]["decode"]["backend"] == "full"  # SGLang's default on CUDA
+    assert refusal(full, evicting=False) is None
+    assert refusal(full, evicting=True)[0] in ("engine.disable_cuda_graph", "engine.cuda_graph_config")
 
 
 def test_what_sglang_resolves_on_blackwell_is_refused_for_an_evicting_engine(resolved_on):

@@ -87,8 +87,12 @@ def register_backends(register: Register) -> None:
     ``check(model_cfg) -> str | None`` (loads nothing: None if the model can be loaded here,
     else a sentence saying why not; `kvflow run` calls it before anything loads) and
     ``load(model_cfg) -> Engine``, one engine per loaded model, implementing
-    `kvflow.components.engine.Engine` (start, submit, step, sync, release, ...). The engine
-    contract suite `kvflow.testing.engine_contract` checks an implementation. Example::
+    `kvflow.components.engine.Engine` (start, submit, step, sync, release, ...). A backend
+    whose ``load`` also takes an ``evicting`` keyword is told whether an evicted proposer
+    runs on the model (SGLang then turns decode graphs off); an engine may offer
+    ``settings() -> dict``, what it resolved on this machine, recorded in ``manifest.json``
+    (``engine_settings``). The engine contract suite `kvflow.testing.engine_contract`
+    checks an implementation. Example::
 
         register("hf", "kvflow.backends.hf:HFBackend")
 

@@ -90,6 +90,9 @@ REFUSED_EVICTING = (
     ("disable_cuda_graph", lambda v: v is False,
      "a replayed decode graph runs none of kvflow's attention hooks (query windows, H2O statistics, hole masks "
      "would go stale); kvflow decodes evicted requests without graphs"),
+    ("cuda_graph_config", lambda v: v is not None and graphs_on(v),
+     "SGLang resolved graphs for a forward phase (a replayed graph runs none of kvflow's attention hooks); "
+     "kvflow sets `disable_cuda_graph: true` for evicting engines"),
     ("enable_torch_compile", lambda v: v is True,
      "a compiled forward bakes kvflow's Python attention hooks in at trace time"),
     ("page_size", lambda v: v not in (None, 1),
@@ -116,6 +119,15 @@ REFUSED_EVICTING = (
     ("enable_dp_attention", lambda v: v is True,
      "attention data parallelism splits a batch's requests over ranks that do not hold their snapshots"),
 )
+
+
+def graphs_on(cuda_graph_config) -> bool:
+    """Does SGLang's resolved `cuda_graph_config` ({phase: {"backend": ...}}) run any forward
+    phase as a graph? (`disable_cuda_graph` is only an input: SGLang also turns graphs off
+    itself, e.g. for `torch_native`.) A config written by hand (not a mapping) counts as on."""
+    if not isinstance(cuda_graph_config, dict):
+        return True
+    return any(isinstance(p, dict) and p.get("backend") not in (None, "disabled") for p in cuda_graph_config.values())
 
 
 def refusal(settings: dict, evicting: bool) -> Optional[tuple[str, str]]:
@@ -201,7 +213,7 @@ _ENGINES: dict[tuple, Any] = {}
 
 #: the resolved settings `manifest.json` records per SGLang engine (all of them: `SGLangEngine.resolved`)
 RECORDED = ("device", "dtype", "sampling_backend", "attention_backend", "prefill_attention_backend",
-            "decode_attention_backend", "page_size", "kv_cache_dtype", "disable_cuda_graph", "cuda_graph_max_bs",
+            "decode_attention_backend", "page_size", "kv_cache_dtype", "disable_cuda_graph", "cuda_graph_config",
             "enable_torch_compile", "disable_overlap_schedule", "disable_radix_cache", "tp_size", "dp_size", "pp_size",
             "base_gpu_id", "mem_fraction_static", "max_total_tokens", "context_length", "chunked_prefill_size",
             "max_running_requests", "enable_deterministic_inference", "speculative_algorithm")

@@ -135,8 +135,15 @@ def _meta(meta: dict) -> dict:
 def resolved_settings(server_args) -> dict:
     """What SGLang resolved for this device (its final server arguments, not what was asked):
     plain values only, so that they travel over the pipe and into `manifest.json`."""
-    resolved = server_args.resolved_dict()
-    return {k: v for k, v in resolved.items() if isinstance(v, (str, int, float, bool, type(None)))}
+    import json
+
+    out = {}
+    for key, value in server_args.resolved_dict().items():
+        try:  # plain values and nested records (e.g. `cuda_graph_config`, per phase) as they print
+            out[key] = json.loads(json.dumps(value, allow_nan=False))
+        except (TypeError, ValueError):
+            continue
+    return out
 
 
 def _read_requests(stream, loop, inbox: asyncio.Queue) -> None:
