@@ -3,7 +3,8 @@ signal traces (METHODS.md §9).
 
 Input: `samples.jsonl` of a run with ``run.record_signals: true``. Each record's `signals`
 list holds one entry per candidate of a proposer with pruners: ``{step, source, index,
-finish, signals: {pruner_name: [value per generated token]}}`` (nan before warm-up).
+finish, signals: {pruner_name: [value per generated token]}}`` (null before warm-up; files
+written before kvflow's strict JSON hold NaN there, read as None).
 
 One number per candidate and signal: the extreme value in the direction the pruner flags,
 i.e. the value that decides whether a threshold would have stopped the candidate: the max
@@ -27,7 +28,6 @@ Outputs: a table (printed by the CLI), ``calibrate.json`` and one histogram PNG 
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,6 +35,7 @@ from typing import Optional, Sequence
 
 import yaml
 
+from kvflow import jsonfile
 from kvflow.errors import UserError
 from kvflow.runtime.results import CONFIG, SAMPLES, read_samples
 
@@ -173,7 +174,7 @@ def calibrate(results_dir: Path, *, bins: int = 40, out: Optional[Path] = None, 
                         hint="rerun with `--set run.record_signals=true` on a pipeline with pruners")
     out = Path(out) if out is not None else results_dir / "calibrate"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "calibrate.json").write_text(json.dumps([r.summary() for r in reports], indent=2))
+    (out / "calibrate.json").write_text(jsonfile.dumps([r.summary() for r in reports], indent=2))
     if plots:
         for r in reports:
             plot_histogram(r, out / f"{r.name}.png", bins)

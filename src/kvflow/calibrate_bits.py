@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from kvflow import jsonfile
 from kvflow.errors import UserError
 
 FULL_PRECISION = 16
@@ -149,7 +150,7 @@ def calibrate_bits(file, bits: Sequence[int], n_problems: int, *, sets: Sequence
         "rows": [asdict(r) for r in rows], "chosen_bits": chosen.bits,
     }
     tmp = out / "calibrate_bits.json.tmp"
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    tmp.write_text(jsonfile.dumps(report, indent=2) + "\n")  # strict JSON (no NaN)
     tmp.replace(out / "calibrate_bits.json")
     return rows, chosen, out
 

@@ -19,7 +19,9 @@ Tables (each also a CSV under --out):
   and every other run over the same problems recover.
 
 Plots under --out: accuracy_vs_budget.png, step_share.png, decode_cost.png (full-KV
-baselines dashed). Runs over different problem sets (dataset, offset, limit, shuffle seed)
+baselines dashed). Series and rows are named by variant, evictor, budget and N and by any
+other configuration field that differs between runs of one variant, evictor and N
+(kvflow.report.labels), so no two runs are ever merged into one series. Runs over different problem sets (dataset, offset, limit, shuffle seed)
 are refused unless --allow-mixed. Nothing here writes into a results directory.
 """
 
@@ -30,6 +32,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from kvflow.errors import UserError
+from kvflow.report.labels import series_names
 from kvflow.report.runs import Run, check_same_dataset, expand_dirs, load_run
 from kvflow.report import tables as T
 
@@ -56,12 +59,14 @@ def load_runs(args: Sequence[str], *, strict: bool = False) -> list[Run]:
 
 
 def build_tables(runs: Sequence[Run], oracle: Optional[T.Oracle] = None) -> list[T.Table]:
-    tables = [T.runs_table(runs), T.accuracy_vs_budget(runs), T.decode_cost(runs), T.ablation(runs)]
-    for extra in (T.step_share(runs), T.rescue_table(runs)):
+    names = series_names(runs)  # one naming for every table and plot of the report
+    tables = [T.runs_table(runs, names), T.accuracy_vs_budget(runs, names), T.decode_cost(runs, names),
+              T.ablation(runs, names)]
+    for extra in (T.step_share(runs, names), T.rescue_table(runs, names)):
         if extra is not None:
             tables.append(extra)
     if oracle is not None:
-        tables.append(T.oracle_table(oracle, runs))
+        tables.append(T.oracle_table(oracle, runs, names))
     return tables
 
 
@@ -155,9 +160,10 @@ def write_outputs(out: Path, runs: Sequence[Run], tables: Sequence[T.Table]) -> 
         path = out / f"{t.name}.csv"
         path.write_text(t.csv(), encoding="utf-8")
         written.append(path)
-    pngs = [p for p in (P.accuracy_vs_budget(runs, out / "accuracy_vs_budget.png"),
-                        P.step_share(runs, out / "step_share.png"),
-                        P.decode_cost(runs, out / "decode_cost.png")) if p is not None]
+    names = series_names(runs)
+    pngs = [p for p in (P.accuracy_vs_budget(runs, out / "accuracy_vs_budget.png", names),
+                        P.step_share(runs, out / "step_share.png", names),
+                        P.decode_cost(runs, out / "decode_cost.png", names)) if p is not None]
     md = out / "report.md"
     md.write_text(render_markdown(runs, tables, pngs), encoding="utf-8")
     return written + pngs + [md]

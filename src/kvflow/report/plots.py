@@ -1,10 +1,15 @@
-"""PNG plots of `kvflow report` (matplotlib, Agg backend; imported only when plotting)."""
+"""PNG plots of `kvflow report` (matplotlib, Agg backend; imported only when plotting).
+
+Series are named as the tables name them (kvflow.report.labels): variant / evictor, N, and
+the configuration fields that tell apart runs of one variant, evictor and N.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Optional, Sequence
 
+from kvflow.report.labels import SeriesNames, series_names
 from kvflow.report.runs import Run
 
 
@@ -27,19 +32,20 @@ def _unfinished(r: Run) -> str:
     return f"unfinished: {r.metrics.get('n_problems', 0)}" + (f" of {limit}" if limit else "") + " problems"
 
 
-def accuracy_vs_budget(runs: Sequence[Run], path: Path) -> Optional[Path]:
-    """Accuracy vs budget, one line per (method, N); full-KV runs as dashed horizontal lines.
+def accuracy_vs_budget(runs: Sequence[Run], path: Path, names: Optional[SeriesNames] = None) -> Optional[Path]:
+    """Accuracy vs budget, one line per series and N; full-KV runs as dashed horizontal lines.
     Points of unfinished runs are hollow and say on how many problems they rest."""
+    names = names or series_names(runs)
     evicted = [r for r in runs if not r.full_kv and r.budget is not None and r.metrics.get("accuracy") is not None]
     full = [r for r in runs if r.full_kv and r.metrics.get("accuracy") is not None]
     if not evicted and not full:
         return None
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    series = sorted({(r.method, r.n) for r in evicted})
+    series = sorted({(names.series(r), r.n) for r in evicted})
     colors = _colors(plt, len(series) + len(full))
     for (method, n), c in zip(series, colors):
-        sel = sorted((r for r in evicted if r.method == method and r.n == n), key=lambda r: r.budget)
+        sel = sorted((r for r in evicted if names.series(r) == method and r.n == n), key=lambda r: r.budget)
         ax.plot([r.budget for r in sel], [r.metrics["accuracy"] * 100 for r in sel], "-o", color=c,
                 label=f"{method}, N={n}")
         for r in sel:
@@ -49,7 +55,7 @@ def accuracy_vs_budget(runs: Sequence[Run], path: Path) -> Optional[Path]:
                             textcoords="offset points", xytext=(4, 4))
     for r, c in zip(full, colors[len(series):]):
         ax.axhline(r.metrics["accuracy"] * 100, linestyle="--", color=c,
-                   label=f"{r.variant} (full KV), N={r.n}" + ("" if r.complete else f", {_unfinished(r)}"))
+                   label=f"{names.variant(r)} (full KV), N={r.n}" + ("" if r.complete else f", {_unfinished(r)}"))
     budgets = sorted({r.budget for r in evicted})
     if budgets:
         ax.set_xscale("log", base=2)
@@ -63,12 +69,14 @@ def accuracy_vs_budget(runs: Sequence[Run], path: Path) -> Optional[Path]:
     return _save(fig, plt, path)
 
 
-def step_share(runs: Sequence[Run], path: Path) -> Optional[Path]:
-    """Share of committed steps from the helper(s) vs N (one line per budget) and vs budget
-    (one line per N); full-KV runs dashed."""
+def step_share(runs: Sequence[Run], path: Path, names: Optional[SeriesNames] = None) -> Optional[Path]:
+    """Share of committed steps from the helper(s) vs N (one line per series and budget) and
+    vs budget (one line per series and N); full-KV runs dashed."""
     multi = [r for r in runs if len(r.proposers) > 1 and r.metrics.get("step_share")]
     if not multi:
         return None
+    names = names or series_names(runs)
+    variant = {r.path: names.series(r) for r in multi}  # variant / evictor and what else tells runs apart
     plt = _plt()
 
     def helper_share(r: Run) -> float:
@@ -76,24 +84,25 @@ def step_share(runs: Sequence[Run], path: Path) -> Optional[Path]:
         return 100 * sum(share.get(p, 0.0) for p in r.proposers[1:])
 
     fig, (ax_n, ax_b) = plt.subplots(1, 2, figsize=(11, 4.2))
-    variants = sorted({r.variant for r in multi})
+    variants = sorted(set(variant.values()))
     budgets = sorted({r.budget for r in multi if not r.full_kv and r.budget is not None})
     keys = [(v, b) for v in variants for b in budgets] + [(v, None) for v in variants]
-    keys = [k for k in keys if any(r.variant == k[0] and (r.budget if not r.full_kv else None) == k[1] for r in multi)]
-    for (variant, b), c in zip(keys, _colors(plt, len(keys))):
-        sel = [r for r in multi if r.variant == variant and (r.budget if not r.full_kv else None) == b]
+    keys = [k for k in keys
+            if any(variant[r.path] == k[0] and (r.budget if not r.full_kv else None) == k[1] for r in multi)]
+    for (name, b), c in zip(keys, _colors(plt, len(keys))):
+        sel = [r for r in multi if variant[r.path] == name and (r.budget if not r.full_kv else None) == b]
         pts = sorted((r.n, helper_share(r)) for r in sel)
-        label = f"{variant}, " + (f"B={b}" if b is not None else "full KV")
+        label = f"{name}, " + (f"B={b}" if b is not None else "full KV")
         ax_n.plot([n for n, _ in pts], [s for _, s in pts], "-o" if b is not None else "--o", color=c, label=label)
     ns = sorted({r.n for r in multi})
-    keys = [(v, n) for v in variants for n in ns if any(r.variant == v and r.n == n for r in multi)]
-    for (variant, n), c in zip(keys, _colors(plt, len(keys))):
-        sel = [r for r in multi if r.variant == variant and r.n == n]
+    keys = [(v, n) for v in variants for n in ns if any(variant[r.path] == v and r.n == n for r in multi)]
+    for (name, n), c in zip(keys, _colors(plt, len(keys))):
+        sel = [r for r in multi if variant[r.path] == name and r.n == n]
         pts = sorted((r.budget, helper_share(r)) for r in sel if not r.full_kv and r.budget is not None)
         if pts:
-            ax_b.plot([b for b, _ in pts], [s for _, s in pts], "-o", color=c, label=f"{variant}, N={n}")
+            ax_b.plot([b for b, _ in pts], [s for _, s in pts], "-o", color=c, label=f"{name}, N={n}")
         for r in (r for r in sel if r.full_kv):
-            ax_b.axhline(helper_share(r), linestyle="--", color=c, label=f"{variant}, N={n}, full KV")
+            ax_b.axhline(helper_share(r), linestyle="--", color=c, label=f"{name}, N={n}, full KV")
     ax_n.set_xlabel("candidates per step N (base)")
     ax_n.set_xticks(ns, [str(n) for n in ns])
     ax_b.set_xlabel("KV budget (tokens)")
@@ -109,11 +118,12 @@ def step_share(runs: Sequence[Run], path: Path) -> Optional[Path]:
     return _save(fig, plt, path)
 
 
-def decode_cost(runs: Sequence[Run], path: Path) -> Optional[Path]:
+def decode_cost(runs: Sequence[Run], path: Path, names: Optional[SeriesNames] = None) -> Optional[Path]:
     """Stacked bars: base and helper tokens generated per problem, per run."""
     rows = [r for r in runs if r.metrics.get("tokens_generated")]
     if not rows:
         return None
+    names = names or series_names(runs)
     plt = _plt()
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(rows) + 2), 4.5))
     base = [r.metrics["tokens_generated"].get(r.proposers[0], 0.0) for r in rows]
@@ -121,7 +131,7 @@ def decode_cost(runs: Sequence[Run], path: Path) -> Optional[Path]:
     x = range(len(rows))
     ax.bar(x, base, label="base tokens")
     ax.bar(x, helper, bottom=base, label="helper tokens")
-    labels = [f"{r.variant}\n{'full KV' if r.full_kv else f'B={r.budget}'}, N={r.n}" for r in rows]
+    labels = [f"{names.variant(r)}\n{'full KV' if r.full_kv else f'B={r.budget}'}, N={r.n}" for r in rows]
     ax.set_xticks(list(x), labels, rotation=30, ha="right", fontsize=7)
     ax.set_ylabel("tokens generated per problem")
     ax.set_title("Decode cost")

@@ -1,7 +1,10 @@
 """The tables of `kvflow report`, as plain data (`Table`), rendered to markdown or CSV.
 
 Numbers stay numbers in the rows (CSV keeps full precision); `Table.markdown()` formats them.
-Fractions (accuracy, rates, shares) are written as percentages in markdown.
+Fractions (accuracy, rates, shares) are written as percentages in markdown. Runs are named by
+their variant, evictor, budget and N, and by whatever else differs between runs of the same
+variant, evictor and N (kvflow.report.labels): two runs that differ only by scorer are two rows
+and two series, named by scorer.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import io
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+from kvflow.report.labels import SeriesNames, series_names
 from kvflow.report.runs import VARIANTS, Run
 
 
@@ -104,7 +108,8 @@ def recovery_interval(rescue: dict[str, bool], evicted: dict[str, bool], full: d
     return (values[int(0.025 * len(values))], values[int(0.975 * len(values)) - 1])
 
 
-def runs_table(runs: Sequence[Run]) -> Table:
+def runs_table(runs: Sequence[Run], names: Optional[SeriesNames] = None) -> Table:
+    names = names or series_names(runs)
     sources, pruners = _sources(runs), _pruners(runs)
     cols = ["run", "variant", "evictor", "budget", "N", "problems", "complete", "accuracy", "accuracy 95% CI",
             "degeneration rate", "mean steps", "mean output tokens"]
@@ -113,6 +118,7 @@ def runs_table(runs: Sequence[Run]) -> Table:
     with_recovery = any(r.metrics.get("recovery") is not None for r in runs)
     if with_recovery:
         cols.append("recovery")  # from run.baselines (metrics.json), when the run had them
+    cols.append("differs by")  # what else tells it from runs of its variant, evictor and N (labels.py)
     t = Table("runs", "Runs", cols, percent={"accuracy", "degeneration rate", "early-exit fraction", "recovery"}
               | {f"step share: {s}" for s in sources} | {f"pruned: {p}" for p in pruners})
     for r in runs:
@@ -127,21 +133,27 @@ def runs_table(runs: Sequence[Run]) -> Table:
         row.append(m.get("early_exit_fraction"))
         if with_recovery:
             row.append(m.get("recovery"))
+        row.append(names.of(r) or None)
         t.rows.append(row)
     return t
 
 
-def accuracy_vs_budget(runs: Sequence[Run]) -> Table:
+def accuracy_vs_budget(runs: Sequence[Run], names: Optional[SeriesNames] = None) -> Table:
+    names = names or series_names(runs)
     budgets = sorted({r.budget for r in runs if not r.full_kv and r.budget is not None})
     order = {v: i for i, v in enumerate(VARIANTS)}
-    methods = sorted({r.method for r in runs},
-                     key=lambda m: (m.endswith("full KV"), order.get(m.split(" / ")[0], 99), m))
+    series = {r.path: names.series(r) for r in runs}
+    first = {}
+    for r in runs:
+        first.setdefault(series[r.path], r)
+    methods = sorted(first, key=lambda m: (first[m].full_kv, order.get(first[m].variant, 99), m))
     cols = ["method", "N"] + [f"B={b}" for b in budgets] + ["full KV"]
     t = Table("accuracy_vs_budget", "Accuracy vs KV budget", cols, percent=set(cols[2:]),
-              note="One row per method (ablation variant / evictor) and N; full-KV runs in the last column.")
-    keys = sorted({(r.method, r.n) for r in runs}, key=lambda k: (methods.index(k[0]), k[1]))
+              note="One row per method (ablation variant / evictor, and the configuration fields that tell "
+                   "runs of one variant, evictor and N apart) and N; full-KV runs in the last column.")
+    keys = sorted({(series[r.path], r.n) for r in runs}, key=lambda k: (methods.index(k[0]), k[1]))
     for method, n in keys:
-        sel = [r for r in runs if r.method == method and r.n == n]
+        sel = [r for r in runs if series[r.path] == method and r.n == n]
         row: list[Any] = [method, n]
         for b in budgets:
             accs = [r.metrics.get("accuracy") for r in sel if r.budget == b and not r.full_kv]
@@ -152,7 +164,8 @@ def accuracy_vs_budget(runs: Sequence[Run]) -> Table:
     return t
 
 
-def decode_cost(runs: Sequence[Run]) -> Table:
+def decode_cost(runs: Sequence[Run], names: Optional[SeriesNames] = None) -> Table:
+    names = names or series_names(runs)
     cols = ["run", "variant", "budget", "N", "mean steps", "mean output tokens", "base tokens", "helper tokens",
             "total tokens"]
     t = Table("decode_cost", "Decode cost per problem", cols,
@@ -163,13 +176,14 @@ def decode_cost(runs: Sequence[Run]) -> Table:
         base = tg.get(r.proposers[0]) if r.proposers else None
         helper = sum(tg.get(p, 0.0) for p in r.proposers[1:]) if len(r.proposers) > 1 else None
         total = sum(tg.values()) if tg else None
-        t.rows.append([r.label, r.variant, _budget_text(r), r.n, r.metrics.get("mean_steps"),
+        t.rows.append([r.label, names.variant(r), _budget_text(r), r.n, r.metrics.get("mean_steps"),
                        r.metrics.get("mean_output_tokens"), base, helper, total])
     return t
 
 
-def ablation(runs: Sequence[Run]) -> Table:
+def ablation(runs: Sequence[Run], names: Optional[SeriesNames] = None) -> Table:
     """Paper-style ablation rows (METHODS.md §9): per budget and N, the variants in order, then full KV."""
+    names = names or series_names(runs)
     cols = ["budget", "N", "variant", "accuracy", "degenerate", "base tokens", "steps", "base candidates exited",
             "run"]
     t = Table("ablation", "Ablation", cols, percent={"accuracy", "degenerate", "base candidates exited"},
@@ -181,24 +195,25 @@ def ablation(runs: Sequence[Run]) -> Table:
 
     for r in sorted(runs, key=key):
         tg = r.metrics.get("tokens_generated") or {}
-        t.rows.append([_budget_text(r), r.n, r.variant + (" (full KV)" if r.full_kv else ""),
+        t.rows.append([_budget_text(r), r.n, names.variant(r) + (" (full KV)" if r.full_kv else ""),
                        r.metrics.get("accuracy"), r.metrics.get("degeneration_rate"),
                        tg.get(r.proposers[0]) if r.proposers else None, r.metrics.get("mean_steps"),
                        r.metrics.get("early_exit_fraction") if r.base_pruners else None, r.label])
     return t
 
 
-def step_share(runs: Sequence[Run]) -> Optional[Table]:
+def step_share(runs: Sequence[Run], names: Optional[SeriesNames] = None) -> Optional[Table]:
     multi = [r for r in runs if len(r.proposers) > 1]
     if not multi:
         return None
+    names = names or series_names(runs)
     sources = _sources(multi)
     cols = ["N", "budget", "variant"] + [f"share: {s}" for s in sources] + ["run"]
     t = Table("step_share", "Committed-step share by source", cols, percent={f"share: {s}" for s in sources},
               note="Fraction of committed steps that came from each proposer, by base N and budget.")
     for r in sorted(multi, key=lambda r: (r.n, r.full_kv, r.budget or 0, r.label)):
         share = r.metrics.get("step_share") or {}
-        t.rows.append([r.n, _budget_text(r), r.variant] + [share.get(s) if s in r.proposers else None
+        t.rows.append([r.n, _budget_text(r), names.variant(r)] + [share.get(s) if s in r.proposers else None
                                                             for s in sources] + [r.label])
     return t
 
@@ -246,7 +261,8 @@ def oracle(evicted: Run, helper: Run, full: Optional[Run], within: Optional[set[
                   acc(fl) if fl is not None else None)
 
 
-def oracle_table(o: Oracle, runs: Sequence[Run]) -> Table:
+def oracle_table(o: Oracle, runs: Sequence[Run], names: Optional[SeriesNames] = None) -> Table:
+    names = names or series_names(runs)
     cols = ["what", "accuracy", "gap recovered", "run"]
     n = len(o.ids)
     t = Table("oracle", f"Oracle analysis ({n} common problems)", cols, percent={"accuracy", "gap recovered"},
@@ -266,11 +282,11 @@ def oracle_table(o: Oracle, runs: Sequence[Run]) -> Table:
         if not ids <= set(d):
             continue
         acc = sum(d[i] for i in o.ids) / n
-        t.rows.append([f"{r.variant} ({_budget_text(r)})", acc, recovery(acc, o.acc_evicted, o.acc_full), r.label])
+        t.rows.append([f"{names.variant(r)} ({_budget_text(r)})", acc, recovery(acc, o.acc_evicted, o.acc_full), r.label])
     return t
 
 
-def rescue_table(runs: Sequence[Run]) -> Optional[Table]:
+def rescue_table(runs: Sequence[Run], names: Optional[SeriesNames] = None) -> Optional[Table]:
     """The paper's Table 2 form: per KV-Rescue run, its full-KV and evicted best-of-N baselines
     (same evictor, budget and N), what eviction lost and what KV-Rescue won back.
 
@@ -280,6 +296,7 @@ def rescue_table(runs: Sequence[Run]) -> Optional[Table]:
     rescues = [r for r in runs if r.variant == "interleave + early exit" and not r.full_kv]
     if not rescues:
         return None
+    names = names or series_names(runs)
     cols = ["setting", "problems", "full KV", "evicted", "KV-Rescue", "KV-Rescue 95% CI", "lost to eviction",
             "recovered", "recovered 95% CI", "oracle recovered", "oracle 95% CI", "base tokens saved",
             "saved by early exit", "degenerate: evicted", "degenerate: KV-Rescue", "helper steps",
@@ -312,9 +329,8 @@ def rescue_table(runs: Sequence[Run]) -> Optional[Table]:
         row_runs = [x for x in (rescue, evicted, full, interleave, helper) if x is not None]
         ids = set.intersection(*(set(x.correct_by_id()) for x in row_runs))
         setting = f"{rescue.evictor} B={_budget_text(rescue)} N={rescue.n}"
-        if rescue.label != min((x.label for x in rescues if x.evictor == rescue.evictor and x.budget == rescue.budget
-                                and x.n == rescue.n), default=rescue.label):
-            setting += f" ({rescue.label})"
+        if names.of(rescue):  # what tells it from the other KV-Rescue runs of this evictor and N
+            setting += f" ({names.of(rescue)})"
         if not ids:
             t.rows.append([setting, 0] + [None] * (len(cols) - 2))
             continue

@@ -5,6 +5,10 @@
 - `samples.jsonl`: one record per finished problem, appended and flushed as it finishes;
 - `metrics.json`: aggregate metrics, written when the run completes.
 
+Every file is strict JSON (`kvflow.jsonfile`): a non-finite number (a pruner's signal before
+warm-up, a NaN score) is written as `null`; files of earlier versions that hold `NaN` still
+read, with such numbers as None.
+
 A killed run leaves at most one torn line at the end of `samples.jsonl`; `ResultsDir.load()`
 cuts it off (and says so) and the run resumes with the problems not yet recorded. A corrupt
 line anywhere else is an error, never silently merged.
@@ -12,7 +16,6 @@ line anywhere else is an error, never silently merged.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -23,6 +26,7 @@ from typing import Any, Iterable, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
+from kvflow import jsonfile
 from kvflow.errors import ConfigProblem, UserError
 
 SAMPLES = "samples.jsonl"
@@ -48,12 +52,12 @@ class ResultsDir:
             manifest = {**manifest, "occupancy": previous["occupancy"]}
         self.path.mkdir(parents=True, exist_ok=True)
         _atomic_write(self.path / CONFIG, yaml.safe_dump(resolved, sort_keys=False, allow_unicode=True))
-        _atomic_write(self.path / MANIFEST, json.dumps(manifest, indent=2))
+        _atomic_write(self.path / MANIFEST, jsonfile.dumps(manifest, indent=2))
 
     def update_manifest(self, **fields: Any) -> None:
         manifest = self.manifest()
         manifest.update(fields)
-        _atomic_write(self.path / MANIFEST, json.dumps(manifest, indent=2))
+        _atomic_write(self.path / MANIFEST, jsonfile.dumps(manifest, indent=2))
 
     def load(self) -> list[dict]:
         """Records written so far; a torn last line (killed mid-write) is cut off the file."""
@@ -62,7 +66,7 @@ class ResultsDir:
     def append(self, record: dict) -> None:
         """Append one record, whole or not at all: a failed write (disk full) is cut back off
         the file, and the run stops with a message; it resumes from the records before it."""
-        line = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+        line = (jsonfile.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
         size = self.samples.stat().st_size if self.samples.exists() else 0
         try:
             with open(self.samples, "ab") as f:
@@ -80,7 +84,7 @@ class ResultsDir:
             os.fsync(f.fileno())
 
     def write_metrics(self, metrics: dict) -> None:
-        _atomic_write(self.path / METRICS, json.dumps(metrics, indent=2))
+        _atomic_write(self.path / METRICS, jsonfile.dumps(metrics, indent=2))
 
     def manifest(self) -> dict:
         return read_json_object(self.path / MANIFEST, "manifest") or {}
@@ -98,7 +102,7 @@ def read_json_object(path: Path, what: str) -> Optional[dict]:
     hint = {"metrics": "delete it: `kvflow run` recomputes metrics.json from samples.jsonl"}.get(
         what, "rerun with --force to start the run afresh")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = jsonfile.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise UserError([ConfigProblem(str(path), 0, what, f"cannot read {path.name}: {e}", hint)]) from None
     if not isinstance(data, dict):
@@ -168,7 +172,7 @@ def read_samples(path: Path, *, repair: bool = False, validate: bool = True) -> 
         last = i == len(lines) - 1
         if line.strip():
             try:
-                rec = json.loads(line)
+                rec = jsonfile.loads(line)
                 if not isinstance(rec, dict):
                     raise ValueError("not a sample record")
             except ValueError as exc:
