@@ -2,9 +2,16 @@
 # One prepared device check (issue 13): the step scheduler at the paper's shapes on one GPU,
 # random-weight Qwen2.5-Math-7B (evicted, random B=64) / -1.5B (full KV) configs, N = 8,
 # 64 problems of decode room: tokens/s, occupancy, peak GPU memory, time share by phase.
-# Runs from a plain checkout (PYTHONPATH, no install: the lent machine has torch and
-# transformers but no package index); needs pydantic, pyyaml and pluggy importable.
-# Budget: about 8 minutes (model build ~1 min, three runs of growing size).
+# Runs from a plain checkout (PYTHONPATH, no install). The lent machine's image has torch (2.11)
+# and transformers (5.17, which kvflow's hf engine supports) but not pydantic, pluggy or
+# (perhaps) pyyaml, and no package index: a session carries them as wheels with the working
+# tree and the script installs them, offline, into a directory it puts first on PYTHONPATH
+# (bench/install_wheels.py: pip --no-index if the image has pip, else it unzips the wheels that
+# fit the interpreter), then prints the versions in use. On a device, from a session:
+#   bash bench/gpu_wheels.sh bench/wheels     # here, once: ~12 MiB of wheels (gitignored folder)
+#   run(command="KVFLOW_WHEELS=bench/wheels bash bench/gpu_check.sh", carry=["bench/wheels"], timeout_s=540)
+# (`bash bench/gpu_check.sh --wheels bench/wheels [sglang|alloc]` is the same.)
+# Budget: about 8 minutes (model build ~1 min, three runs of growing size; the install ~10 s).
 #   bash bench/gpu_check.sh            # writes $OUT/gpu_check.json (or ./gpu_check.json)
 #   bash bench/gpu_check.sh sglang     # only the SGLang part (below), about 7 minutes
 #   bash bench/gpu_check.sh alloc      # only the allocations part (issue 18), about 4 minutes: the
@@ -17,16 +24,37 @@
 # largest batch one 32k-token pool runs, evicted vs full (bench/sglang_admission.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+wheels="${KVFLOW_WHEELS:-}"
+if [ "${1:-}" = "--wheels" ]; then wheels="${2:?--wheels DIR}"; shift 2; fi
+if [ -n "$wheels" ]; then  # pydantic & co. from carried wheels, before the first kvflow import
+  site="${TMPDIR:-/tmp}/kvflow-gpu-site-$(${PYTHON:-python3} -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+  ${PYTHON:-python3} bench/install_wheels.py "$wheels" "$site" || { echo "gpu_check: installing $wheels failed" >&2; exit 3; }
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 export PYTHONPATH="$PWD/src:$PWD/plugins${PYTHONPATH:+:$PYTHONPATH}"
 out="${OUT:-.}/gpu_check.json"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 ${PYTHON:-python3} - <<'PY' || exit 3
-import importlib.util, sys
-missing = [m for m in ("torch", "transformers", "pydantic", "yaml", "pluggy") if importlib.util.find_spec(m) is None]
-import torch, transformers
-print("torch", torch.__version__, "cuda", torch.cuda.is_available(), "transformers", transformers.__version__)
-if missing or not torch.cuda.is_available():
-    sys.exit(f"gpu_check: missing {missing} or no CUDA")
+import importlib.util, platform, sys
+from importlib.metadata import version
+print("python", platform.python_version(), sys.executable)
+dists = {"pydantic": "pydantic", "pydantic_core": "pydantic-core", "typing_extensions": "typing-extensions",
+         "yaml": "pyyaml", "pluggy": "pluggy", "torch": "torch", "transformers": "transformers"}
+missing = [m for m in dists if importlib.util.find_spec(m) is None]
+for mod, dist in dists.items():
+    if mod not in missing:
+        print(f"  {dist} {version(dist)}  ({importlib.util.find_spec(mod).origin})")
+if missing:
+    sys.exit(f"gpu_check: missing {missing} (carry the wheels of bench/gpu_wheels.sh: KVFLOW_WHEELS=DIR)")
+import kvflow.config.schema  # pydantic models: what fails first without a working pydantic
+from kvflow.backends.hf.compat import check_transformers
+why = check_transformers()
+if why:
+    sys.exit(f"gpu_check: {why}")
+import torch
+print("torch", torch.__version__, "cuda", torch.cuda.is_available())
+if not torch.cuda.is_available():
+    sys.exit("gpu_check: no CUDA")
 PY
 sglang_part() {
   ${PYTHON:-python3} -c "import sglang" 2>/dev/null || { echo "gpu_check: no SGLang here; SGLang part skipped" >&2; return 0; }

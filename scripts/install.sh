@@ -8,8 +8,10 @@
 # sglang: SGLang 0.5.23 needs torch 2.14.1 (PyPI's build, which also runs on a CPU). With a GPU
 # it is installed the ordinary way; without one, the CPU recipe: sglang without its CUDA-only
 # dependencies, the pure-Python set it needs (scripts/sglang-cpu-requirements.txt) and
-# kvflow's out-of-tree CPU platform (plugins/kvflow-sglang-cpu). Either way transformers stays
-# in kvflow's range (SGLang pins 5.19.0; kvflow's CI runs it on kvflow's version).
+# kvflow's out-of-tree CPU platform (plugins/kvflow-sglang-cpu). With a GPU, every install step
+# is constrained to one tested combination, scripts/constraints-gpu.txt (SGLang's own pins,
+# transformers 5.19.0 included, which kvflow's range >=5.17 admits); without one, transformers
+# stays at the newest of kvflow's range (5.24 in kvflow's CI, which runs SGLang on it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-}"
@@ -25,11 +27,15 @@ command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && gpu=1
 sglang=0
 case ",$extras," in *,sglang,*) sglang=1 ;; esac
 extras=$(echo "$extras" | tr ',' '\n' | grep -vx sglang | paste -sd, -)  # not a pip extra: see above
+constraints=()
+if [ "$sglang" = 1 ] && [ "$gpu" = 1 ]; then
+  constraints=(-c scripts/constraints-gpu.txt)  # one tested combination: see its header
+fi
 
 if [ "$sglang" = 1 ]; then
   if ! "$venv/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.14.1')" 2>/dev/null; then
     echo "install: sglang: torch 2.14.1 and torchvision 0.29.1" >&2
-    "${pip[@]}" install -q "torch==2.14.1" "torchvision==0.29.1"
+    "${pip[@]}" install -q "torch==2.14.1" "torchvision==0.29.1" ${constraints[@]+"${constraints[@]}"}
   fi
 elif [ "$gpu" = 1 ]; then
   echo "install: NVIDIA GPU found: default torch build" >&2
@@ -45,18 +51,19 @@ fi
 
 spec="."
 [ -n "$extras" ] && spec=".[${extras}]"
-"${pip[@]}" install -q -e "$spec"
+"${pip[@]}" install -q -e "$spec" ${constraints[@]+"${constraints[@]}"}
 
 if [ "$sglang" = 1 ]; then
   if [ "$gpu" = 1 ]; then
-    echo "install: sglang 0.5.23 (GPU)" >&2
-    "${pip[@]}" install -q "sglang==0.5.23"
+    echo "install: sglang 0.5.23 (GPU), constrained by scripts/constraints-gpu.txt" >&2
+    "${pip[@]}" install -q "sglang==0.5.23" "${constraints[@]}"
   else
     echo "install: sglang 0.5.23, CPU recipe" >&2
     "${pip[@]}" install -q --no-deps "sglang==0.5.23"
     "${pip[@]}" install -q -r scripts/sglang-cpu-requirements.txt
     "${pip[@]}" install -q --no-deps -e plugins/kvflow-sglang-cpu
   fi
-  "${pip[@]}" install -q -e "$spec"  # back to kvflow's own transformers/tokenizers range
+  # CPU: back to kvflow's own transformers/tokenizers range; GPU: the constrained set again
+  "${pip[@]}" install -q -e "$spec" ${constraints[@]+"${constraints[@]}"}
 fi
 "$venv/bin/kvflow" --version

@@ -24,17 +24,27 @@ class HFBackend:
     @staticmethod
     def check(model_cfg):
         """None if the model can be loaded here (nothing is loaded), else why not."""
+        from kvflow.backends.hf.compat import check_transformers
         from kvflow.models.loading import check_available
 
         if getattr(model_cfg, "engine", None):
             return ("engine", f"backend 'hf' takes no engine settings (got {', '.join(model_cfg.engine)}); "
                               "they are SGLang's server arguments, for `backend: sglang`")
+        why = check_transformers()  # the installed version, from metadata: nothing is imported
+        if why:
+            return ("backend", why)
         return check_available(model_cfg)
 
     @staticmethod
     def load(model_cfg):
         """The engine of the model; model entries that load the very same weights (see
         `load_model`) share one engine, so their proposers decode in one forward."""
+        from kvflow.backends.hf.compat import check_transformers
+        from kvflow.errors import UserError
+
+        why = check_transformers()  # also for callers that load without `check` first
+        if why:
+            raise UserError(why)
         from kvflow.backends.hf.decode import HFEngine
         from kvflow.backends.hf.engine import HFRunner
         from kvflow.models.loading import load_model

@@ -15,6 +15,7 @@ import torch
 
 from kvflow.backends.hf.attention import kvflow_attention_enabled
 from kvflow.backends.hf.cache import BudgetedCache
+from kvflow.backends.hf.compat import cache_keyword
 from kvflow.backends.hf.decode_batch import DecodeBatch
 from kvflow.backends.hf.rows import new_rows
 from kvflow.backends.hf.matmul import fp32_linear, fp32_min_tokens
@@ -32,6 +33,9 @@ class HFRunner:
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.body = model.base_model  # decoder stack without the LM head
+        # "cache" or "past_key_values" (older transformers): every forward passes kvflow's
+        # cache under this keyword (kvflow.backends.hf.compat)
+        self.cache_keyword = cache_keyword(self.body)
         self.lm_head = model.get_output_embeddings()
         self.num_layers = model.config.num_hidden_layers
         self.eos_ids = eos_token_ids(getattr(model, "generation_config", None), model.config, tokenizer)
@@ -130,9 +134,9 @@ class HFRunner:
                 input_ids=input_ids.to(self.device),
                 position_ids=positions.to(self.device),
                 attention_mask=plan.mask,
-                cache=cache,
                 use_cache=True,
                 kvflow_cache=cache,
+                **{self.cache_keyword: cache},
             )
         cache.end_forward(step_lens)
         hidden = out.last_hidden_state  # [rows, T, hidden]
@@ -158,9 +162,9 @@ class HFRunner:
                 input_ids=tokens[:, None].to(self.device),
                 position_ids=positions.to(self.device),
                 attention_mask=None,
-                cache=batch,
                 use_cache=True,
                 kvflow_cache=batch,
+                **{self.cache_keyword: batch},
             )
         batch.end_forward()
         return self.lm_head(out.last_hidden_state[:, -1]).float()
