@@ -83,6 +83,7 @@ class Trajectory:
     candidates: dict[str, int] = field(default_factory=dict)  # candidates proposed, by proposer
     committed_tokens: int = 0
     signals: list[dict] = field(default_factory=list)  # per-candidate pruner traces, when recorded
+    all_candidates: list[dict] = field(default_factory=list)  # every candidate of every step, when recorded
 
     @property
     def text(self) -> str:

@@ -106,6 +106,10 @@ class RunConfig(Frozen):
         None, ge=1, description="Torch CPU threads during the run (restored after it); unset: torch's default "
         "(OMP_NUM_THREADS). On a small shared CPU one thread can be several times faster (docs/benchmarks.md).")
     record_signals: bool = Field(False, description="Record every candidate's per-token pruner signals in samples.jsonl (for `kvflow calibrate`).")
+    record_candidates: bool = Field(
+        False, description="Record every candidate of every step in samples.jsonl (`all_candidates`: text, source, "
+        "score, finish, tokens, whether committed), not only the committed ones, for `kvflow view`. Costs about "
+        "the text of all N candidates per step: docs/results.md has a measurement.")
     deterministic: bool = Field(
         False, description="Deterministic kernels where the engine has them: SGLang's batch-invariant "
         "`enable_deterministic_inference` (a GPU attention backend; refused on a CPU), and on `hf` torch's "

@@ -182,6 +182,7 @@ def _decode_with(loaded: LoadedPipeline, registry, store: ResultsDir, todo, quie
     plan, engines = compile_.build_plan(loaded, registry, on_load=lambda key: _say(
         quiet, f"loading models.{key}: {pipe.models[key].id}"))
     base = plan.proposers[0].engine
+    plan.record_candidates = pipe.run.record_candidates  # for _record's `all_candidates`
     # the results directory is created only now that every model has loaded
     store.prepare(loaded.resolved, _manifest(loaded, registry))
     placement = compile_.place_models(loaded)[1]  # as build_plan placed them (the rule is deterministic)
@@ -304,6 +305,7 @@ def _record(traj, problem, prediction, correct: bool, seconds: float, plan, timi
         "seconds": round(seconds, 3),
         **({"timing": timing} if timing else {}),
         **({"signals": traj.signals} if traj.signals else {}),
+        **({"all_candidates": traj.all_candidates} if traj.all_candidates else {}),
     }
 
 

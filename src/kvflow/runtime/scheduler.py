@@ -56,6 +56,7 @@ class Plan:
     seed: int
     batch_problems: int = 16  # decode room per engine, in problems
     live_problems: Optional[int] = None  # problems in flight; None = 2 x batch_problems
+    record_candidates: bool = False  # keep every candidate of every step on the trajectory (run.record_candidates)
 
     def engines(self) -> list[Engine]:
         return list({id(p.engine): p.engine for p in self.proposers}.values())
@@ -202,6 +203,8 @@ def _advance(plan: Plan, ready: Sequence[_Problem], clock) -> list[_Problem]:
                 with clock.phase("score"):
                     _score(plan.scorer, [p.traj], [cands])
                 winner = cands[plan.committer.pick(cands)]
+            if plan.record_candidates:  # before the commit: the step index is the one proposed for
+                _keep_candidates(p.traj, cands, winner)
             if winner is None:
                 p.traj.finish = "pruned"
             else:
@@ -236,6 +239,16 @@ def _tally(traj: Trajectory, c: Candidate) -> None:
                              "finish": c.finish, "signals": c.signals})
     if c.pruned:
         traj.pruned[c.finish.split(":", 1)[1]] += 1
+
+
+def _keep_candidates(traj: Trajectory, cands: Sequence[Candidate], winner: Optional[Candidate]) -> None:
+    """Every candidate of the step being committed, as `samples.jsonl` records it under
+    `all_candidates` (run.record_candidates): the same (step, source, index) as `signals`."""
+    step = len(traj.steps)
+    for c in cands:
+        traj.all_candidates.append({"step": step, "source": c.source, "index": c.index, "text": c.text,
+                                    "n_tokens": c.n_tokens, "finish": c.finish, "score": c.score,
+                                    "committed": c is winner})
 
 
 def _timing(clock: PhaseClock, p: _Problem) -> dict:
