@@ -7,6 +7,7 @@
     kvflow models pull NAME | kvflow models ls
     kvflow calibrate RESULTS_DIR [--bins 40] [--out DIR] [--no-plots]
     kvflow report DIR... [--out DIR] [--allow-mixed] [--oracle-evicted DIR --oracle-helper DIR --oracle-full DIR]
+    kvflow view DIR... [-o/--out FOLDER] [--serve [--port N]]
     kvflow schema [--output FILE]
     kvflow explain FILE [--set ...] [--unset ...]
     kvflow cost MODEL... [--budget 512 --buffer 128 --lengths 1k,2k,4k,8k --helper MODEL --png FILE]
@@ -425,6 +426,44 @@ def report(
         report_command(dirs or [], out=out, allow_mixed=allow_mixed, oracle_evicted=oracle_evicted,
                        oracle_helper=oracle_helper, oracle_full=oracle_full, as_csv=as_csv, strict=strict,
                        limit=limit, echo=typer.echo)
+
+
+@app.command()
+def view(
+    dirs: List[str] = typer.Argument(..., metavar="DIR...", help="Results directories, globs, or a parent directory "
+                                     "(e.g. results/)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", metavar="FOLDER", help="Where to write index.html "
+                                       "(default ./kvflow-view)."),
+    serve: bool = typer.Option(False, "--serve", help="Also serve the folder on 127.0.0.1 and print its address "
+                               "(until Ctrl-C)."),
+    port: int = typer.Option(0, "--port", min=0, max=65535, help="Port for --serve (0: any free port)."),
+) -> None:
+    """A static HTML viewer of runs, problems and trajectories: one self-contained file.
+
+    Writes `FOLDER/index.html` (script, style and data inline: it opens from disk, offline,
+    in any browser) with: the runs' metrics, with the configuration fields that differ
+    between them as columns; each run's problems (correct, steps, tokens, degenerate, finish,
+    seconds), sortable and filterable, and against another run of the same problems each
+    problem's outcome (both right, rescued, broken, both wrong) with an exact McNemar test;
+    one problem's question, gold, prediction and committed trajectory, each step coloured by
+    its source and score, with every step's candidates and their per-token pruner signals
+    when the run recorded them (`run.record_candidates`, `run.record_signals`); and a run's
+    signal distributions (pruned vs kept, with the thresholds) and committed-step share
+    along the trajectory. The page's state is in its URL, e.g.
+    `index.html#run=1&vs=0&filter=rescued&problem=gsm8k/12`. Nothing is written into the
+    results directories; a directory that cannot be read is an error (exit 2).
+    \f
+    See [The viewer](viewer.md).
+
+    ```sh
+    kvflow view results/kv_rescue__1a2b3c4d results/best_of_n__5e6f7a8b -o view/
+    kvflow view results/ --serve
+    ```
+    """
+    from kvflow.view import view_command
+
+    with _errors():
+        view_command(dirs, out=out, serve=serve, port=port, echo=typer.echo)
 
 
 @app.command()
