@@ -12,7 +12,8 @@ allocations are mixins here, combined with any scoring evictor by subclassing
   Eviction by Adaptive Budget Allocation for Efficient LLM Inference"): one budget per layer,
   `kv_heads x budget` tokens, spent across its heads by one ranking of their scores, so a
   head whose attention is concentrated keeps fewer tokens and a diffuse one more; a
-  safeguard floor keeps at least `safeguard x budget` per head (`adaptive_keep`). The
+  safeguard floor keeps at least `safeguard x budget` per head (`adaptive_keep`, defined in
+  `kvflow.components.selection` beside the uniform rule and re-exported here). The
   scores must be comparable across heads: attention probabilities are (each head's sum to
   one), as with snapkv, rkv, h2o, tova.
 
@@ -30,6 +31,10 @@ from pydantic import Field, model_validator
 
 from kvflow._lazy import torch
 from kvflow.components.base import EvictorParams
+from kvflow.components.selection import adaptive_keep
+
+__all__ = ["AdaptiveHeads", "AdaptiveParams", "PyramidLayers", "PyramidParams", "adaptive_keep", "hole_index",
+           "hole_mask", "pyramid_budgets"]
 
 
 def pyramid_budgets(budget: int, window: int, num_layers: int, beta: float, held: int) -> list[int]:
@@ -58,43 +63,6 @@ def pyramid_budgets(budget: int, window: int, num_layers: int, beta: float, held
     for l in by_fraction[:rest]:
         out[l] += 1
     return out
-
-
-def adaptive_keep(scores: "torch.Tensor", total: int, capacity: int, floor: int) -> "torch.Tensor":
-    """Ada-KV's selection over the heads of one layer.
-
-    scores:   [rows, kv_heads, N] float32, +inf on forced slots (window, protected prompt),
-              -inf on padding (each head's own slots >= its length)
-    total:    tokens the layer keeps per row over all its heads (kv_heads x layer budget)
-    capacity: most tokens one head may keep (the cache's width per head)
-    floor:    tokens every head keeps at least (Ada-KV's safeguard), besides its forced ones
-    returns:  [rows, kv_heads, capacity] int64: head h's k_h kept slots ascending, then -1;
-              sum_h k_h = total for every row.
-
-    Each head first keeps its own top max(floor, forced) slots; the rest of `total` goes to
-    the highest remaining scores of the whole layer (one ranking over all heads; equal
-    scores: the lower head, then the earlier slot), a head never past `capacity`.
-    """
-    rows, heads, n = scores.shape
-    order = scores.sort(dim=-1, descending=True, stable=True)  # per head, best first
-    ranked, slots = order.values, order.indices  # [rows, heads, N]
-    rank = torch.arange(n, device=scores.device)[None, None, :]
-    valid = (ranked > float("-inf")).sum(-1, keepdim=True)  # [rows, heads, 1] each head's length
-    forced = (ranked == float("inf")).sum(-1, keepdim=True)
-    reserved = torch.minimum(torch.clamp(forced, min=floor), torch.clamp(valid, max=capacity))  # [rows, heads, 1]
-    open_ = (rank >= reserved) & (rank < torch.clamp(valid, max=capacity))  # may still be kept
-    rest = total - reserved.sum(dim=(1, 2))  # [rows]
-    pool = ranked.masked_fill(~open_, float("-inf")).reshape(rows, heads * n)
-    pool_rank = torch.empty_like(pool, dtype=torch.long)
-    pool_rank.scatter_(1, pool.sort(dim=-1, descending=True, stable=True).indices,
-                       torch.arange(heads * n, device=scores.device).expand(rows, -1))
-    taken = (pool_rank < rest[:, None]).reshape(rows, heads, n) & open_
-    keep_mask = (rank < reserved) | taken  # a prefix of each head's ranking
-    kept = slots.masked_fill(~keep_mask, n).sort(dim=-1).values[..., :capacity]  # ascending, n past the kept
-    kept = kept.masked_fill(kept >= n, -1)
-    if kept.shape[-1] < capacity:  # fewer slots than a head may keep: pad to the cache's width
-        kept = torch.nn.functional.pad(kept, (0, capacity - kept.shape[-1]), value=-1)
-    return kept
 
 
 def hole_mask(start: "torch.Tensor", end, span: int) -> "torch.Tensor":

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal, Mapping, Opt
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvflow._lazy import torch
+from kvflow.components.selection import adaptive_keep, keep_top
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch as _torch
@@ -335,7 +336,11 @@ class Evictor:
         head on its own (`score()` with kv_heads = 1, that head's query heads and
         `lengths = head_lengths[:, h]`), so any scorer sees a row's own valid slots, and return
         [rows, kv_heads, head_capacity]: head h's k_h kept slots ascending, then -1 (see
-        `kvflow.components.allocation.adaptive_keep`)."""
+        `kvflow.components.selection.adaptive_keep`).
+
+        Ties: among equal scores the earlier slot is kept (across heads, the lower head), in a
+        batch as alone: the kept set depends on the scores only. Scores that tie only in exact
+        arithmetic (and differ by rounding) are not ties here: see docs/components.md, "Ties"."""
         rows, kv_heads, n, _ = keys.shape
         budget = self.params.budget if budget is None else budget
         if budget < self.params.budget:  # a smaller layer budget protects what still fits
@@ -361,17 +366,14 @@ class Evictor:
         always = (slot >= length - self.params.window) | (slot < n_protected.to(keys.device)[:, None, None])
         scores = scores.masked_fill(~valid, float("-inf"))
         scores = scores.masked_fill(always & valid, float("inf"))
+        # ties: the earlier slot wins (kvflow.components.selection), so that the kept set is a
+        # function of the scores alone; torch.topk's order among equal scores is unspecified
+        # (it varies with shape, device and torch version: R-KV's topk kept the later slot of
+        # SnapKV's tied pairs on a CPU). docs/components.md ("Ties") has the measurements.
         if self.adaptive_heads:
-            from kvflow.components.allocation import adaptive_keep
-
             return adaptive_keep(scores, kv_heads * budget, self.head_capacity(budget, kv_heads),
                                  self.head_floor(budget))
-        # ties: the earlier slot wins. A stable sort makes the kept set a function of the scores
-        # alone (topk's tie order depends on the batch shape and the device); tied scores are
-        # common (key norms of a repeated token, SnapKV's max pooling). Earlier-first is what
-        # topk did on the CPU in kvflow's committed runs, so their kept sets stay as they were.
-        keep = scores.sort(dim=-1, descending=True, stable=True).indices[..., :budget]  # [rows, kv_heads, budget]
-        return keep.sort(dim=-1).values
+        return keep_top(scores, budget)  # [rows, kv_heads, budget]
 
 
 # --------------------------------------------------------------------------- pruners
