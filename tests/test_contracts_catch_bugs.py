@@ -178,3 +178,212 @@ def test_scorer_contract_catches(cls, test, message):
     context = lambda: ScorerContext(load_session=None, proposers=["base", "helper"], seed=0)  # noqa: E731
     with pytest.raises(AssertionError, match=message):
         getattr(ScorerContract(), test)(factory, context)
+
+
+# --------------------------------------------------------------------------- engines
+# Each variant is the `hf` engine with one thing done wrong, as a plugin author might; the
+# engine contract must fail it, saying what is wrong.
+
+import dataclasses  # noqa: E402
+
+from kvflow.backends.hf.decode import _LIVE, HFEngine  # noqa: E402
+from kvflow.components.base import Step  # noqa: E402
+from kvflow.testing.engine_contract import EngineContract  # noqa: E402
+from kvflow.timing import NULL_CLOCK  # noqa: E402
+
+
+def _respec(requests, **changes):
+    for r in requests:  # in place: the Proposal hands back the caller's own request
+        r.spec = dataclasses.replace(r.spec, **changes)
+    return requests
+
+
+class IgnoresTopP(HFEngine):
+    """Samples from the whole distribution whatever the spec's top_p."""
+
+    def submit(self, requests):
+        super().submit(_respec(requests, top_p=1.0))
+
+
+class NoScoringSession(HFEngine):
+    """Has no scoring session (the `likelihood` scorer with a model would fail at run time)."""
+
+    def scoring_session(self):
+        raise NotImplementedError("no scoring on this engine")
+
+
+class IgnoresMaxRows(HFEngine):
+    """Decodes every queued proposal at once."""
+
+    def step(self, max_rows=None):
+        return super().step(None)
+
+
+class DropsSignals(HFEngine):
+    """Never records pruner signals."""
+
+    def submit(self, requests):
+        super().submit(_respec(requests, record_signals=False))
+
+
+class SharedRNG(HFEngine):
+    """One random stream for every row, instead of one per candidate."""
+
+    def _sample_rows(self, logits, rows, temperature, top_p):
+        from kvflow.backends.hf.sampling import sample
+
+        if not hasattr(self, "_rng"):
+            self._rng = torch.Generator().manual_seed(0)
+        u = torch.rand(len(rows), generator=self._rng)
+        new, logprob, entropy = sample(logits, temperature, top_p, u)
+        return new.cpu(), logprob.cpu(), entropy.cpu()
+
+
+class TemperedLogprobs(HFEngine):
+    """Reports the log-probabilities of the tempered distribution, not the model's own."""
+
+    def _sample_rows(self, logits, rows, temperature, top_p):
+        new, logprob, entropy = super()._sample_rows(logits, rows, temperature, top_p)
+        if temperature > 0:
+            logprob = torch.log_softmax(logits / temperature, -1).gather(-1, new[:, None]).squeeze(-1)
+        return new, logprob, entropy
+
+
+class UntemperedEntropy(HFEngine):
+    """Reports the entropy of the temperature-1 distribution whatever the temperature."""
+
+    def _sample_rows(self, logits, rows, temperature, top_p):
+        new, logprob, entropy = super()._sample_rows(logits, rows, temperature, top_p)
+        logp = torch.log_softmax(logits, -1)
+        return new, logprob, -(logp.exp() * logp).sum(-1)
+
+
+class PrunerOverridesStopRule(HFEngine):
+    """Shows the pruners every row that got a token, and lets their verdict replace a stop rule's."""
+
+    def _prune(self, group, rows, finish):
+        verdict = super()._prune(group, rows, torch.full_like(finish, _LIVE))
+        return torch.where(verdict != _LIVE, verdict, finish)
+
+
+class PrunersSeeEndedRows(HFEngine):
+    """Shows the pruners rows that a stop rule has just ended (their verdict is ignored)."""
+
+    def _prune(self, group, rows, finish):
+        verdict = super()._prune(group, rows, torch.full_like(finish, _LIVE))
+        return torch.where(finish != _LIVE, finish, verdict)
+
+
+class LastPrunerWins(HFEngine):
+    """Names the finish after the last flagging pruner."""
+
+    def submit(self, requests):
+        for r in requests:
+            r.spec = dataclasses.replace(r.spec, pruners=tuple(r.spec.pruners)[::-1])
+        super().submit(requests)
+
+
+class DelimiterInOneToken(HFEngine):
+    """Looks for the delimiter inside each token's text only (no state across tokens)."""
+
+    def _delimiter(self, delimiter):
+        table = super()._delimiter(delimiter)
+        one = dataclasses.make_dataclass("Table", ["next", "hit"])(torch.zeros_like(table.next), table.hit)
+        return one
+
+
+class _JoiningSession:
+    def __init__(self, session):
+        self.session = session
+
+    def token_logprobs(self, trajectories, texts):
+        joined = [dataclasses.replace(t, steps=[Step("".join(s.text for s in t.steps), "base", None, 0)])
+                  if t.steps else t for t in trajectories]
+        return self.session.token_logprobs(joined, texts)
+
+    def release(self, problem_ids):
+        self.session.release(problem_ids)
+
+
+class JoinsTheContext(HFEngine):
+    """Its scoring session tokenizes the committed steps joined, not one by one."""
+
+    def scoring_session(self):
+        return _JoiningSession(super().scoring_session())
+
+
+class _ForgetfulSession(_JoiningSession):
+    def token_logprobs(self, trajectories, texts):
+        return self.session.token_logprobs(trajectories, texts)
+
+    def release(self, problem_ids):
+        pass
+
+
+class KeepsReleasedProblems(HFEngine):
+    """Its scoring session ignores `release()` (a reused problem id gets a stale context)."""
+
+    def scoring_session(self):
+        return _ForgetfulSession(super().scoring_session())
+
+
+class Untimed(HFEngine):
+    """Runs its forwards outside the clock the scheduler sets."""
+
+    def step(self, max_rows=None):
+        clock, self.clock = self.clock, NULL_CLOCK
+        try:
+            return super().step(max_rows)
+        finally:
+            self.clock = clock
+
+
+@pytest.fixture(scope="module")
+def engine_parts(tmp_path_factory):
+    """(a loaded `HFRunner` on the engine contract's tiny model, the contract's `reference`)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvflow.backends.hf import HFBackend
+    from kvflow.config.schema import ModelConfig
+    from kvflow.testing.pipelines import tiny_model_dir
+
+    model_dir = tiny_model_dir(tmp_path_factory.mktemp("broken-engines"), "qwen2", seed=3)
+    runner = HFBackend.load(ModelConfig(id=str(model_dir), dtype="float32", device="cpu")).runner
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
+    return runner, (model, AutoTokenizer.from_pretrained(model_dir))
+
+
+@pytest.mark.parametrize("cls,test,message", [
+    (IgnoresTopP, "test_sampling_follows_the_spec", "outside the top-p nucleus"),
+    (TemperedLogprobs, "test_sampling_follows_the_spec", "not the model's own temperature-1 log-probability"),
+    (UntemperedEntropy, "test_sampling_follows_the_spec", "not that of the sampling distribution after temperature"),
+    (NoScoringSession, "test_scoring_session_matches_the_model", "scoring_session.. raised NotImplementedError"),
+    (JoinsTheContext, "test_scoring_session_matches_the_model", r"after encode\(prompt\) \+ encode\(step\)"),
+    (KeepsReleasedProblems, "test_scoring_session_matches_the_model", "after p0 was released"),
+    (IgnoresMaxRows, "test_step_respects_max_rows", r"step\(max_rows=2\) decoded 6 rows"),
+    (DropsSignals, "test_recorded_signals_are_the_pruners_own", "record_signals: candidate .* carries 0 values"),
+    (SharedRNG, "test_sampling_is_seeded_and_independent_of_the_batch",
+     "seeded per request|changed when other requests were decoded"),
+    (PrunerOverridesStopRule, "test_stop_rules_win_over_pruners", "a stop rule on the same token wins"),
+    (PrunersSeeEndedRows, "test_stop_rules_win_over_pruners", "only rows still live after the stop rules"),
+    (LastPrunerWins, "test_the_first_flagging_pruner_names_the_finish", "the first in the spec's order"),
+    (DelimiterInOneToken, "test_delimiter_spanning_two_tokens_ends_the_step", "across the boundary of tokens"),
+    (Untimed, "test_forwards_are_timed_and_counted", r"no decode time under clock.phase\('forward:base'\)"),
+])
+def test_engine_contract_catches(cls, test, message, engine_parts):
+    runner, reference = engine_parts
+    engine = cls(runner)
+    with pytest.raises(AssertionError, match=message):
+        getattr(EngineContract(), test)(engine, reference)
+
+
+def test_the_hf_engine_passes_the_cases_its_variants_fail(engine_parts):
+    """The cases above fail the variants, not the engine they are made from."""
+    runner, reference = engine_parts
+    suite = EngineContract()
+    for test in sorted({"test_sampling_follows_the_spec", "test_scoring_session_matches_the_model",
+                        "test_step_respects_max_rows", "test_recorded_signals_are_the_pruners_own",
+                        "test_sampling_is_seeded_and_independent_of_the_batch", "test_stop_rules_win_over_pruners",
+                        "test_the_first_flagging_pruner_names_the_finish",
+                        "test_delimiter_spanning_two_tokens_ends_the_step", "test_forwards_are_timed_and_counted"}):
+        getattr(suite, test)(HFEngine(runner), reference)

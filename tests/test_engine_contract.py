@@ -20,11 +20,13 @@ def test_hf_is_registered():
 
 class TestRegisteredEngines(EngineContract):
     @pytest.fixture(scope="class")
-    def contract_model_dir(self, shared_tiny_qwen):
+    @classmethod
+    def contract_model_dir(cls, shared_tiny_qwen):
         return shared_tiny_qwen  # the SGLang tests share its engine
 
     @pytest.fixture(scope="class", params=NAMES)
-    def engine_factory(self, request):
+    @classmethod
+    def engine_factory(cls, request):
         backend = request.param
         cls = get_registry().get("backends", backend)
         if backend == "sglang":

@@ -38,9 +38,17 @@ class Params(BaseModel):
 class Candidate:
     """One proposed step. `logprobs` are the model's own log-probabilities (temperature 1) of
     the sampled tokens; `entropies` are measured on the sampling distribution (after
-    temperature and before top-p), in nats."""
+    temperature and before top-p; greedy decoding counts as temperature 1), in nats.
 
-    problem: int  # index of the problem in the current batch
+    `finish` is `eos` (the last token is EOS, left out of `text`), `delimiter` (the token that
+    completed the delimiter is the last one), `max_step_tokens` (the step's cap: the spec's
+    `max_step_tokens` or the request's `token_room`, whichever is smaller) or `pruned:<name>`.
+    `signals` holds, when the spec records them, each pruner's `signal()` at every token at
+    which the candidate was live (`Pruner`): one value per token for a pruned candidate, one
+    fewer for a candidate ended by a stop rule. `problem` is not an identity: engines set 0,
+    and kvflow reads a candidate's problem from its request (`ScoreRequest.trajectory`)."""
+
+    problem: int  # unused by kvflow (engines set 0); identify the problem by ScoreRequest.trajectory
     source: str  # proposer name
     index: int  # candidate index within the proposer, 0..n-1
     text: str
@@ -387,17 +395,29 @@ class PrunerParams(Params):
 
 class Pruner:
     """Base class of online degeneration detectors: `check()` runs after every decoded token
-    of every live candidate row of the proposers it is attached to."""
+    of every live candidate row of the proposers it is attached to.
+
+    "Live" means not ended: after each token an engine applies its stop rules first (EOS, the
+    delimiter, the step's token cap), and a row that ends on this token is not shown to the
+    pruners (its finish is the stop rule's); the rows still going are, and those flagged stop
+    at once, with finish `pruned:<name>`. Rows leave the trace as they end, in any order, so
+    a pruner decides from the trace alone (`kvflow.testing.pruner_contract`).
+    """
 
     Params: ClassVar[type[PrunerParams]] = PrunerParams
     #: name of the per-token signal `signal()` returns, recorded for `kvflow calibrate`.
     signal_name: ClassVar[str] = ""
+    #: False: `check()` and `signal()` never read `trace.texts`, so an engine may skip
+    #: decoding the candidates' texts for them (the `hf` engine then does; added in kvflow 0.1).
+    needs_text: ClassVar[bool] = True
 
     def __init__(self, params: PrunerParams) -> None:
         self.params = params
 
     def signal(self, trace: StepTrace) -> "_torch.Tensor":
-        """Current value of the detector's signal per row: [rows] float32 (nan before warm-up)."""
+        """Current value of the detector's signal per row: [rows] float32 (nan before warm-up).
+        With `run.record_signals` the engine calls it on the same trace as `check()`, and each
+        candidate's `signals[name]` lists the values of the tokens at which it was live."""
         raise NotImplementedError
 
     def check(self, trace: StepTrace) -> "_torch.Tensor":

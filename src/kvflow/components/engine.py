@@ -7,6 +7,8 @@ methods below, and a backend registers a loader through the `register_backends` 
     class MyBackend:
         name = "mine"
         @staticmethod
+        def check(model_cfg) -> str | None: ...   # loads nothing: None, or why not here
+        @staticmethod
         def load(model_cfg) -> Engine: ...
 
 A problem's state on an engine is an opaque handle (`State`) that the engine creates in
@@ -15,28 +17,80 @@ problem on one proposer, one step at a time:
 
     [state] = engine.start([StartRequest(prompt, evictor, rng_key)])
     engine.submit([ProposeRequest(state, proposer, spec, seed, token_room, tag)])
-    while ...: finished = engine.step()           # one decode forward over every queued proposal
-    # finished: [Proposal(request, candidates)], each candidate ended (delimiter, EOS,
-    # max_step_tokens, room) or stopped by a pruner mid-step
+    while ...: finished = engine.step()           # one decode step over the queued proposals
+    # finished: [Proposal(request, candidates)], every candidate ended: by a stop rule
+    # (eos, delimiter, max_step_tokens) or by a pruner (pruned:<name>)
     [state] = engine.sync([SyncRequest(state, proposal, own_index_or_None, committed_text)])
     ...
     engine.release([state], [proposal])
 
 Contracts every engine keeps (checked by `kvflow.testing.engine_contract`):
+
 - `start` keeps the prompt's last token pending: a state is "cache + pending token".
-- candidate `i` of a request samples from a stream seeded by `row_seed(request.seed, i)`
-  (and, for stochastic evictors, evicts with a stream keyed by the state's rng key and `i`),
-  so a problem's candidates do not depend on which other requests share a decode step;
-  greedy (temperature 0) is deterministic;
-- a candidate's `text` is its tokens decoded, without a final EOS token; `logprobs` are the
-  model's own (temperature 1) log-probabilities of the sampled tokens; `entropies` the
-  entropy (nats) of the sampling distribution (after temperature, before top-p);
-- pruners (`spec.pruners`) see every live candidate row after every token and stop flagged
-  rows at once (finish `pruned:<name>`);
+- Sampling: candidate `i` of a request samples from a stream seeded by `row_seed(request.seed,
+  i)` (and, for stochastic evictors, evicts with a stream keyed by the state's rng key and
+  `i`), so a problem's candidates do not depend on which other requests share a decode step;
+  the sampling distribution is the model's at `temperature`, restricted to the top-p nucleus
+  (the most probable tokens, most probable first, until their mass reaches `top_p`; the
+  token that crosses `top_p` is in it) when `top_p < 1`; temperature 0 is greedy (argmax;
+  `top_p` then plays no part) and deterministic.
+- A candidate's `text` is its tokens decoded, without a final EOS token; `logprobs` are the
+  model's own (temperature 1) log-probabilities of the sampled tokens, whatever the spec's
+  temperature and top-p; `entropies` the entropy (nats) of the sampling distribution after
+  temperature and before top-p, and at temperature 0 of the temperature-1 distribution (not
+  the point mass greedy draws from). An engine that estimates entropies (e.g. from top-k
+  logprobs) sets `exact_entropy = False`.
+- Stop rules, after every token: EOS (finish `eos`), then the delimiter (`delimiter`: the
+  token whose text completes `spec.delimiter`, matched across token boundaries, is the last
+  one), then the step's cap (`max_step_tokens`: `min(spec.max_step_tokens, token_room)`
+  tokens; running out of `token_room` is reported as `max_step_tokens` too, there is no
+  other finish). A row ended by one of them is no longer live.
+- Pruners (`spec.pruners`) then see every row still live, after every token of it, as one or
+  more `StepTrace`s (rows of several proposals may share a trace, or not), and stop flagged
+  rows at once (finish `pruned:<name>`, the first flagging pruner in the spec's order). A row
+  that a stop rule ends on this token is not shown to them: the stop rule wins. With
+  `spec.record_signals`, each pruner's `signal()` on those same traces is kept per candidate
+  (`Candidate.signals[name]`: one value per token at which the row was live). A pruner with
+  `needs_text = False` reads no `trace.texts`; an engine may then pass anything there.
+- `step(max_rows)` starts queued proposals oldest first, whole (all `n` rows of one at once),
+  while the rows decoding stay within `max_rows`; a proposal once started is decoded at every
+  later step until all its candidates have ended. One exception: when nothing is decoding, the
+  oldest queued proposal starts even if its `n` alone exceeds `max_rows` (else it could never
+  run). `max_rows=None`: no bound.
 - `sync` with `own_index` adopts that candidate's state (no recomputation); with None it
   ingests `text` (tokenized by this engine) into the state, evicting as it goes; either way
-  the returned state holds exactly what a plain decode of the same text would;
-- a state or proposal passed to `sync` or `release` is not used again by the caller.
+  the returned state holds exactly what a plain decode of the same text would.
+- A state or proposal passed to `sync` or `release` is not used again by the caller.
+- `scoring_session()` returns an object with `token_logprobs(trajectories, texts) ->
+  list[list[float]]`: for each pair, the model's log-probability (temperature 1, full
+  context, no eviction) of every token of `engine.encode(text)` given the context and the
+  text's earlier tokens, where the context is tokenized as the proposers' caches hold it:
+  `encode(trajectory.prompt)`, then `encode(step.text)` for each committed step on its own,
+  concatenated (not the joined text encoded once); and `release(problem_ids)`. A session may
+  cache per problem (by `trajectory.problem_id`): a problem's steps only grow between calls
+  until it is released, and after `release` the id may come back with another trajectory.
+  Scorers such as `likelihood` call it; an engine that cannot score raises from
+  `scoring_session()`, and the contract fails it.
+
+Counters and timing. `forwards` counts decode forwards and `rows_decoded` the candidate rows
+fed to them, summed (occupancy = rows_decoded / forwards / the row bound); `start`, `sync`
+and scoring do not count. An engine that does not run one batched forward per `step()` (one
+that batches on its own, like SGLang, or decodes row by row) counts the `step()` calls in
+which any row got a token as `forwards`, and the rows that got tokens in them as
+`rows_decoded`: occupancy is then what the engine's own batching leaves to guess. The model's
+work (prefill, decoding, ingestion) runs inside `clock.phase("forward:<suffix>")`, the suffix
+naming the proposers whose rows the forward runs, `+`-joined in pipeline order (`label` has
+them all; an engine that cannot tell which are in a forward uses `label`); kvflow's timing
+report files that time under `model:<suffix>`.
+
+Candidates: `source` is the request's proposer, `index` 0..n-1, `problem` 0 (the caller knows
+a proposal's problem from its `tag`).
+
+Versions. Everything in this module, every member of `Engine` and the optional attributes
+named on it (`evicts`, `exact_entropy`, `settings()`, `kept_kv()`, `load(..., evicting=)`,
+`check_evictor()`) are part of the protocol as of kvflow 0.1. A member added later says
+"added in kvflow X.Y" here and stays optional for engines (the scheduler checks for it), so an
+engine written against 0.1 keeps working; see docs/plugins.md, "Versions".
 """
 
 from __future__ import annotations
@@ -77,9 +131,9 @@ class SamplingSpec:
     temperature: float  # 0 = greedy
     top_p: float
     max_step_tokens: int
-    delimiter: str  # a candidate ends after the token that completes it
+    delimiter: str  # a candidate ends after the token whose text completes it ("" = none)
     pruners: Sequence[tuple[str, Pruner]] = ()
-    record_signals: bool = False  # keep each pruner's signal per token in Candidate.signals
+    record_signals: bool = False  # keep each pruner's signal per live token in Candidate.signals
 
 
 @dataclass(frozen=True)
@@ -125,11 +179,12 @@ class Engine(Protocol):
     device: str
     tokenizer: Any  # a transformers tokenizer of this model (prompt rendering, chat template)
     label: str  # the proposers on this model ("base+helper"), set by the scheduler, for timing phase names
-    clock: object  # a kvflow.timing clock the scheduler sets; forwards run inside `clock.phase("forward:...")`
-    forwards: int  # decode forwards run so far (occupancy = rows_decoded / forwards / bound)
+    clock: object  # a kvflow.timing clock the scheduler sets; forwards run inside `clock.phase("forward:<proposers>")`
+    forwards: int  # decode forwards run so far (occupancy = rows_decoded / forwards / bound); see "Counters"
     rows_decoded: int  # candidate rows fed to those forwards, summed
     # optional: `evicts = False` for an engine that runs full-context proposers only, and
-    # `exact_entropy = False` for one that estimates entropies (the contract suite adapts)
+    # `exact_entropy = False` for one that estimates entropies (the contract suite adapts);
+    # `settings() -> dict` and, for an evicting engine, `kept_kv(state)` (docs/plugins.md)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` without special tokens."""
@@ -145,8 +200,9 @@ class Engine(Protocol):
 
     def step(self, max_rows: Optional[int] = None) -> list[Proposal]:
         """Run one decode step over the queued proposals (at most `max_rows` candidate rows,
-        whole proposals, oldest first; a proposal once started is decoded every step) and
-        return the proposals whose candidates have all ended."""
+        whole proposals, oldest first; a proposal once started is decoded every step; when
+        nothing is decoding, the oldest proposal starts even if it alone needs more than
+        `max_rows`) and return the proposals whose candidates have all ended."""
 
     def busy_rows(self) -> int:
         """Candidate rows queued or decoding."""
@@ -158,5 +214,7 @@ class Engine(Protocol):
         """Free states and finished proposals that will not be synced."""
 
     def scoring_session(self):
-        """A full-context scoring session on this model (`token_logprobs(trajectories, texts)`,
-        `release(problem_ids)`), for scorers such as `likelihood`."""
+        """A full-context scoring session on this model: `token_logprobs(trajectories, texts)
+        -> list[list[float]]` (one log-probability per token of `encode(text)`, the context
+        tokenized as prompt, then each committed step on its own) and `release(problem_ids)`;
+        see the module docstring. For scorers such as `likelihood`."""

@@ -7,38 +7,66 @@ Built-in and third-party engines run the same tests. In a backend plugin's test 
 
     class TestMyEngine(EngineContract):
         @pytest.fixture(scope="class")
-        def engine_factory(self):
+        @classmethod
+        def engine_factory(cls):
             # model_dir: a saved tiny random-weight Qwen2 with its tokenizer (config.json
             # names `architectures`); returns an Engine over it, in float32 on the CPU
             return lambda model_dir: MyBackend.load(ModelConfig(id=str(model_dir), backend="mine", dtype="float32"))
 
-pytest collects the inherited `test_*` methods. References are the same weights run by plain
-transformers (`model.generate`), so the suite checks what a user relies on:
+pytest collects the inherited `test_*` methods. The fixture is class-scoped (the engine is
+loaded once per class) and, like every class-scoped fixture under pytest 9 and 10, a
+`@classmethod` under `@pytest.fixture` (pytest 9 deprecates class-scoped fixtures that are
+instance methods, and pytest 10 removes them). References are the same weights run by plain
+transformers (`model.generate`, or one forward over the whole sequence), so the suite checks
+what a user relies on:
 
 - greedy proposals reproduce `generate` token for token, with a full cache and with an
-  evicting cache whose budget exceeds the sequence;
+  evicting cache whose budget exceeds the sequence (logprobs and entropies too);
+- sampling follows the spec: every sampled token lies in the top-p nucleus of the model's
+  distribution at the spec's temperature, its logprob is the model's own (temperature 1)
+  and its entropy that of the sampling distribution (after temperature, before top-p);
 - candidates: n per request, indexed 0..n-1, `source` the proposer, `text` the tokens
   decoded (EOS dropped), logprobs and entropies per token and in range, finish reasons valid,
-  `max_step_tokens` and `token_room` respected, the delimiter ending a step where it completes;
+  `max_step_tokens` and `token_room` respected, the delimiter ending a step where it
+  completes, also when it spans two tokens;
 - sampling is seeded per request and candidate: same seed, same candidates; a request's
   candidates do not depend on the other requests decoded with it; another seed differs;
-- pruners see every token of every live row and stop flagged rows at once;
+- pruners see every token of every live row and stop flagged rows at once; a stop rule on
+  the same token wins (the row is not shown to them); the first flagging pruner names the
+  finish; recorded signals are each pruner's own `signal()` at every live token;
+- `step(max_rows)`: whole proposals, oldest first, never more than `max_rows` rows decoding
+  (save one proposal larger than `max_rows` alone), the same candidates as unbounded;
+  `busy_rows()`, `forwards` and `rows_decoded` count, forwards run in `clock.phase("forward:...")`;
+- the scoring session gives the model's log-probabilities of a text after the prompt and
+  each committed step, tokenized step by step, follows a trajectory that grows, and
+  forgets a released problem;
 - sync: adopting the committed candidate and ingesting committed text both leave a state
   from which greedy decoding continues exactly as `generate` over the whole text would;
 - nothing is left queued once every proposal has ended, and release frees what was handed back.
+
+An engine whose entropies are estimates sets `exact_entropy = False` (entropies are then
+compared within 2%), one that runs full-context proposers only `evicts = False` (the
+evicting cases skip).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from kvflow.components.base import Pruner, PrunerParams
+from kvflow.components.base import Pruner, PrunerParams, Step, StepTrace, Trajectory
 from kvflow.components.engine import Engine, ProposeRequest, SamplingSpec, StartRequest, SyncRequest
 
 QUESTIONS = ["How many clips did Natalia sell?", "Natalia sold 48 clips in April. How many in May?",
              "What is 48 / 2 + 24?"]
 NO_DELIMITER = "\x00\x01\x02"  # never produced: steps end at max_step_tokens or EOS
 FINISHES = {"eos", "delimiter", "max_step_tokens"}
+#: committed steps whose joined text tokenizes differently ("cl" + "ips" vs "clips"): a
+#: scoring session must tokenize the context step by step, as the proposers' caches hold it
+SCORED_STEPS = ["In May she sold 48 / 2 = 24 cl", "ips.\n\n"]
+SCORED_TEXTS = ["Altogether she sold 48 + 24 = 72 clips.\n\n", "The answer is \\boxed{72}."]
+#: top-p nucleus tolerance: probability mass by which the reference's and the engine's float
+#: rounding may move a token across the nucleus boundary (flat tiny models: ~1e-5 per token)
+NUCLEUS_SLACK = 1e-3
 
 
 class _StopAt(Pruner):
@@ -59,6 +87,32 @@ class _StopAt(Pruner):
         return trace.n_tokens >= int(self.params.threshold)
 
 
+class _Probe(Pruner):
+    """Flags nothing; its signal reads the trace's `what` (entropies, texts or token counts)."""
+
+    Params = PrunerParams
+
+    def __init__(self, what: str) -> None:
+        super().__init__(PrunerParams(threshold=0))
+        self.what = what
+
+    def signal(self, trace):
+        import torch
+
+        n = trace.n_tokens
+        if self.what == "entropy":  # the sum of the row's entropies so far
+            valid = torch.arange(trace.entropies.shape[1])[None, :] < n[:, None]
+            return (trace.entropies.float() * valid).sum(-1)
+        if self.what == "text":
+            return torch.tensor([float(len(t)) for t in trace.texts])
+        return n.float()
+
+    def check(self, trace):
+        import torch
+
+        return torch.zeros(len(trace.n_tokens), dtype=torch.bool)
+
+
 def _full():
     from kvflow.registry import get_registry
 
@@ -73,12 +127,16 @@ def _evicting(budget: int):
     return cls(cls.Params(budget=budget, buffer=16, window=4))
 
 
-def run_to_end(engine: Engine, requests) -> list:
-    """Submit requests and step until each has ended: their Proposals, in request order."""
+def run_to_end(engine: Engine, requests, max_rows=None, on_step=None) -> list:
+    """Submit requests and step until each has ended: their Proposals, in request order.
+    on_step(proposals that ended) is called after every `step()`."""
     engine.submit(requests)
     done = {}
     for _ in range(100_000):
-        for p in engine.step():
+        ended = engine.step(max_rows)
+        if on_step is not None:
+            on_step(ended)
+        for p in ended:
             done[id(p.request)] = p
         if len(done) == len(requests):
             return [done[id(r)] for r in requests]
@@ -89,21 +147,25 @@ class EngineContract:
     """Subclass and provide `engine_factory` (see the module docstring)."""
 
     @pytest.fixture(scope="class")
-    def engine_factory(self):
+    @classmethod
+    def engine_factory(cls):
         raise NotImplementedError("provide an engine_factory fixture: model_dir -> Engine")
 
     @pytest.fixture(scope="class")
-    def contract_model_dir(self, tmp_path_factory):
+    @classmethod
+    def contract_model_dir(cls, tmp_path_factory):
         from kvflow.testing.pipelines import tiny_model_dir
 
         return tiny_model_dir(tmp_path_factory.mktemp("engine-contract"), "qwen2", seed=3)
 
     @pytest.fixture(scope="class")
-    def engine(self, engine_factory, contract_model_dir):
+    @classmethod
+    def engine(cls, engine_factory, contract_model_dir):
         return engine_factory(contract_model_dir)
 
     @pytest.fixture(scope="class")
-    def reference(self, contract_model_dir):
+    @classmethod
+    def reference(cls, contract_model_dir):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         model = AutoModelForCausalLM.from_pretrained(contract_model_dir, dtype="float32").eval()
@@ -115,6 +177,9 @@ class EngineContract:
         _, tok = reference
         return tok.apply_chat_template([{"role": "user", "content": QUESTIONS[i]}], tokenize=False,
                                        add_generation_prompt=True)
+
+    def encode(self, reference, text: str) -> list[int]:
+        return reference[1](text, add_special_tokens=False)["input_ids"]
 
     def greedy(self, reference, text, n: int, *, scores: bool = False):
         """Greedy `generate` of n tokens after `text` (a string, or pieces tokenized one by one);
@@ -134,11 +199,26 @@ class EngineContract:
         entropy = (-(logp.exp() * logp).nan_to_num().sum(-1)).tolist()
         return new, chosen, entropy
 
+    def logits(self, reference, context: list[int], tokens: list[int]):
+        """The reference model's logits [len(tokens), vocab] (float32) for each of `tokens`
+        after `context` and the tokens before it: one forward over the whole sequence."""
+        import torch
+
+        model, _ = reference
+        ids = torch.tensor([context + tokens])
+        with torch.inference_mode():
+            out = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].float()
+        return out[len(context) - 1 : len(context) - 1 + len(tokens)]
+
     def eos(self, reference) -> int:
         return reference[1].eos_token_id
 
     def until_eos(self, ids, eos):
         return ids[: ids.index(eos) + 1] if eos in ids else ids
+
+    def entropy_tolerance(self, engine) -> dict:
+        """An engine that estimates entropies (from top-k logprobs) says so and stays close."""
+        return dict(abs=1e-3) if getattr(engine, "exact_entropy", True) else dict(rel=0.02, abs=0.02)
 
     # ------------------------------------------------------------------ tests
 
@@ -169,12 +249,275 @@ class EngineContract:
             ids, logprobs, entropies = self.greedy(reference, prompt, 24, scores=True)
             assert c.token_ids == self.until_eos(ids, self.eos(reference))
             assert c.logprobs == pytest.approx(logprobs[: c.n_tokens], abs=1e-4)  # the model's own, temperature 1
-            # an engine that estimates entropies (from top-k logprobs) says so and stays close
-            tol = dict(abs=1e-3) if getattr(engine, "exact_entropy", True) else dict(rel=0.02, abs=0.02)
-            assert c.entropies == pytest.approx(entropies[: c.n_tokens], **tol)
+            # at temperature 0 the entropy is the temperature-1 distribution's (not greedy's point mass)
+            assert c.entropies == pytest.approx(entropies[: c.n_tokens], **self.entropy_tolerance(engine))
             assert c.finish == ("eos" if c.token_ids[-1] == self.eos(reference) else "max_step_tokens")
         engine.release(states, proposals)
         assert engine.busy_rows() == 0
+
+    def test_sampling_follows_the_spec(self, engine, reference):
+        """Sampled tokens lie in the top-p nucleus of the distribution at the spec's
+        temperature; logprobs are the model's own at temperature 1; entropies are the sampling
+        distribution's, after temperature and before top-p. The nucleus at top_p = 0.05 holds
+        a few tokens of this flat model's ~400, so an engine that samples from the whole
+        distribution fails at once."""
+        import torch
+
+        temperature, top_p = 0.7, 0.05
+        prompt = self.prompt(reference, 2)
+        (state,) = engine.start([StartRequest(prompt, _full(), 5)])
+        spec = SamplingSpec(4, temperature, top_p, 8, NO_DELIMITER)
+        (p,) = run_to_end(engine, [ProposeRequest(state, "base", spec, 41, 100)])
+        context = self.encode(reference, prompt)
+        for c in p.candidates:
+            logits = self.logits(reference, context, c.token_ids)
+            logp = torch.log_softmax(logits, dim=-1)
+            probs = torch.softmax(logits / temperature, dim=-1)
+            entropy = -(probs * probs.log()).nan_to_num().sum(-1)
+            for k, token in enumerate(c.token_ids):
+                before = float(probs[k][probs[k] > probs[k, token]].sum())  # mass of the more probable tokens
+                assert before < top_p + NUCLEUS_SLACK, (
+                    f"candidate {c.index}, token {k}: sampled token {token} lies outside the top-p nucleus "
+                    f"(top_p={top_p}: the tokens more probable than it already hold {before:.3f} of the mass at "
+                    f"temperature {temperature}); is top_p applied?")
+                assert c.logprobs[k] == pytest.approx(float(logp[k, token]), abs=1e-4), (
+                    f"candidate {c.index}, token {k}: logprob {c.logprobs[k]:.5f} is not the model's own "
+                    f"temperature-1 log-probability {float(logp[k, token]):.5f} (sampled at temperature "
+                    f"{temperature}, top_p {top_p}: logprobs must not depend on either)")
+                assert c.entropies[k] == pytest.approx(float(entropy[k]), **self.entropy_tolerance(engine)), (
+                    f"candidate {c.index}, token {k}: entropy {c.entropies[k]:.4f} is not that of the sampling "
+                    f"distribution after temperature {temperature} and before top-p ({float(entropy[k]):.4f})")
+        assert len({tuple(c.token_ids) for c in p.candidates}) > 1, "the candidates should differ"
+        engine.release([state], [p])
+
+    def test_delimiter_spanning_two_tokens_ends_the_step(self, engine, reference):
+        """The delimiter is matched on the text, across token boundaries: a delimiter made of
+        the last character of one greedy token and the first of the next ends the step at the
+        second token."""
+        _, tok = reference
+        delimiter = None
+        for i in (1, 2, 0):  # the first prompt whose greedy text has such a pair of tokens
+            prompt = self.prompt(reference, i)
+            ids = self.until_eos(self.greedy(reference, prompt, 24), self.eos(reference))
+            pieces = [tok.decode([t]) for t in ids]
+            for k in range(len(pieces) - 1):
+                a, b = pieces[k], pieces[k + 1]
+                if not a or not b or ids[k + 1] == self.eos(reference):
+                    continue
+                d = a[-1] + b[0]
+                if any(ch.isspace() or ch == "\ufffd" for ch in d):
+                    continue
+                first = next(j for j in range(len(pieces)) if d in "".join(pieces[: j + 1]))
+                if any(d in piece for piece in pieces[: first + 1]):
+                    continue  # inside one token: not what this case is about
+                delimiter, end = d, first
+                break
+            if delimiter is not None:
+                break
+        assert delimiter is not None, "the contract's greedy texts have no delimiter to try across two tokens"
+        (state,) = engine.start([StartRequest(prompt, _full(), 5)])
+        spec = SamplingSpec(1, 0.0, 1.0, 24, delimiter)
+        (p,) = run_to_end(engine, [ProposeRequest(state, "base", spec, 0, 100)])
+        (c,) = p.candidates
+        assert (c.finish, c.token_ids) == ("delimiter", ids[: end + 1]), (
+            f"delimiter {delimiter!r} completes at token {end} across the boundary of tokens {end - 1} and {end} "
+            f"({pieces[end - 1]!r} + {pieces[end]!r}): the step must end there with finish 'delimiter', but it "
+            f"ended after {c.n_tokens} tokens with {c.finish!r}; match the delimiter on the text so far, not "
+            "within one token's piece")
+        engine.release([state], [p])
+
+    def test_stop_rules_win_over_pruners(self, engine, reference):
+        """A row that a stop rule ends on this token is not live: pruners do not see it, and
+        its finish is the stop rule's. Here the pruner flags every row at its 3rd token, the
+        step cap (max_step_tokens, or token_room) ends it there too."""
+        prompt = self.prompt(reference, 1)
+        by_cap, by_room = _StopAt(3), _StopAt(3)
+        states = engine.start([StartRequest(prompt, _full(), 2) for _ in range(2)])
+        reqs = [ProposeRequest(states[0], "base", SamplingSpec(2, 1.0, 1.0, 3, NO_DELIMITER,
+                                                               pruners=(("stop3", by_cap),)), 8, 100),
+                ProposeRequest(states[1], "base", SamplingSpec(2, 1.0, 1.0, 10, NO_DELIMITER,
+                                                               pruners=(("stop3", by_room),)), 9, 3)]
+        for p, pruner in zip(run_to_end(engine, reqs), (by_cap, by_room)):
+            for c in p.candidates:
+                assert c.finish in ("max_step_tokens", "eos"), (
+                    f"candidate {c.index} ended with {c.finish!r} at token {c.n_tokens}, where the step cap ends "
+                    "it: a stop rule on the same token wins over a pruner")
+            seen = [x for trace in pruner.seen for x in trace]
+            assert 3 not in seen, (
+                f"pruners were shown rows at their 3rd token (counts seen: {sorted(set(seen))}), which the step "
+                "cap had already ended: only rows still live after the stop rules go to the pruners")
+        engine.release(states, [])
+
+    def test_the_first_flagging_pruner_names_the_finish(self, engine, reference):
+        first, second = _StopAt(2), _StopAt(2)
+        spec = SamplingSpec(2, 1.0, 1.0, 10, NO_DELIMITER, pruners=(("first", first), ("second", second)))
+        (state,) = engine.start([StartRequest(self.prompt(reference, 0), _full(), 1)])
+        (p,) = run_to_end(engine, [ProposeRequest(state, "base", spec, 4, 100)])
+        for c in p.candidates:
+            assert c.finish == "pruned:first" or (c.finish == "eos" and c.n_tokens <= 2), (
+                f"candidate {c.index} ended with {c.finish!r}: when two pruners flag a row on the same token, "
+                "the first in the spec's order names the finish")
+        engine.release([state], [p])
+
+    def test_recorded_signals_are_the_pruners_own(self, engine, reference):
+        """With `record_signals`, each candidate carries every pruner's `signal()` at every
+        token at which it was live: all of its tokens if a pruner stopped it, all but the last
+        if a stop rule did. Each value is what the pruner's `signal()` gives on a trace of the
+        candidate's own tokens so far (entropies, token count, and text: its tokens' texts
+        decoded one by one and joined)."""
+        import torch
+
+        probes = {name: _Probe(name) for name in ("entropy", "text", "count")}
+        pruners = (("stop4", _StopAt(4)),) + tuple(probes.items())
+        spec = SamplingSpec(4, 1.0, 1.0, 8, " ", pruners=pruners, record_signals=True)
+        (state,) = engine.start([StartRequest(self.prompt(reference, 1), _full(), 6)])
+        (p,) = run_to_end(engine, [ProposeRequest(state, "base", spec, 17, 100)])
+        _, tok = reference
+        recorded = 0
+        for c in p.candidates:
+            live = c.n_tokens if c.pruned else c.n_tokens - 1  # tokens at which the row was live
+            pieces = [tok.decode([t]) for t in c.token_ids]
+            for name, pruner in (("stop4", pruners[0][1]),) + tuple(probes.items()):
+                values = c.signals.get(name, [])
+                assert len(values) == live, (
+                    f"record_signals: candidate {c.index} ({c.finish} after {c.n_tokens} tokens) carries "
+                    f"{len(values)} values of {name!r}, not {live}: one per token at which it was live")
+                for k, value in enumerate(values, start=1):
+                    own = StepTrace(torch.tensor([c.entropies[:k]]), torch.tensor([k]), ["".join(pieces[:k])])
+                    want = float(pruner.signal(own)[0])
+                    assert value == pytest.approx(want, rel=1e-5, abs=1e-4), (
+                        f"record_signals: candidate {c.index}, token {k}: recorded {name!r} = {value}, but the "
+                        f"pruner's signal() on the candidate's own trace up to that token gives {want}")
+                recorded += len(values)
+        assert recorded, "record_signals: no candidate carries signals"
+        engine.release([state], [p])
+
+    def test_step_respects_max_rows(self, engine, reference):
+        """`step(max_rows)` decodes whole proposals, oldest first, never more than `max_rows`
+        rows at once; the candidates are those of unbounded steps."""
+        spec = SamplingSpec(2, 1.0, 1.0, 6, NO_DELIMITER)
+
+        def propose(max_rows):
+            states = engine.start([StartRequest(self.prompt(reference, i), _full(), 3) for i in range(3)])
+            reqs = [ProposeRequest(s, "base", spec, 30 + j, 100, tag=j) for j, s in enumerate(states)]
+            order, widest = [], 0
+            engine.submit(reqs)
+            assert engine.busy_rows() == 6, f"busy_rows() is {engine.busy_rows()} with 3 proposals of 2 rows queued"
+            done = {}
+            for _ in range(100_000):
+                before = engine.rows_decoded
+                ended = engine.step(max_rows)
+                widest = max(widest, engine.rows_decoded - before)
+                for p in ended:
+                    order.append(p.request.tag)
+                    done[p.request.tag] = p
+                if len(done) == 3:
+                    break
+            engine.release(states, list(done.values()))
+            return [done[j] for j in range(3)], order, widest
+
+        free, _, _ = propose(None)
+        forwards = engine.forwards
+        bounded, order, widest = propose(2)
+        assert widest <= 2, (
+            f"step(max_rows=2) decoded {widest} rows in one step (rows_decoded grew by {widest}): start queued "
+            "proposals only while the rows decoding stay within max_rows")
+        assert engine.forwards > forwards, "forwards did not grow while proposals were decoded"
+        assert order == [0, 1, 2], (
+            f"with max_rows=2 and proposals of 2 rows each, they must run one after the other, oldest first; "
+            f"they ended in the order {order}")
+        for a, b in zip(free, bounded):
+            assert [c.token_ids for c in a.candidates] == [c.token_ids for c in b.candidates], (
+                "candidates differ between step() and step(max_rows=2): a candidate must not depend on how "
+                "proposals are batched")
+        assert engine.busy_rows() == 0
+
+    def test_a_proposal_wider_than_max_rows_runs_alone(self, engine, reference):
+        """When nothing is decoding, the oldest proposal starts even if it alone needs more
+        rows than `max_rows`; the next waits until it has ended."""
+        spec3, spec1 = SamplingSpec(3, 1.0, 1.0, 5, NO_DELIMITER), SamplingSpec(1, 1.0, 1.0, 5, NO_DELIMITER)
+        states = engine.start([StartRequest(self.prompt(reference, i), _full(), 3) for i in range(2)])
+        reqs = [ProposeRequest(states[0], "base", spec3, 50, 100, tag="wide"),
+                ProposeRequest(states[1], "base", spec1, 51, 100, tag="next")]
+        order, widest = [], 0
+        engine.submit(reqs)
+        done = []
+        for _ in range(100_000):
+            before = engine.rows_decoded
+            ended = engine.step(max_rows=2)
+            widest = max(widest, engine.rows_decoded - before)
+            done += ended
+            order += [p.request.tag for p in ended]
+            if len(done) == 2:
+                break
+        assert order == ["wide", "next"], f"proposals ended in the order {order}"
+        assert widest <= 3, f"step(max_rows=2) decoded {widest} rows at once; the wide proposal has 3"
+        engine.release(states, done)
+
+    def test_forwards_are_timed_and_counted(self, engine, reference):
+        """Decode forwards run inside `clock.phase("forward:<proposers>")` (what the timing
+        report files under `model:`), and `forwards` / `rows_decoded` count them."""
+        from kvflow.timing import PhaseClock
+
+        clock, saved = PhaseClock(), (engine.clock, engine.label)
+        (state,) = engine.start([StartRequest(self.prompt(reference, 0), _full(), 1)])
+        engine.clock, engine.label = clock, "base"
+        try:
+            forwards, rows = engine.forwards, engine.rows_decoded
+            (p,) = run_to_end(engine, [ProposeRequest(state, "base", SamplingSpec(2, 1.0, 1.0, 4, NO_DELIMITER),
+                                                      2, 100)])
+        finally:
+            engine.clock, engine.label = saved
+        engine.release([state], [p])
+        assert "forward:base" in clock.totals, (
+            f"no decode time under clock.phase('forward:base') (phases timed while stepping: "
+            f"{sorted(clock.totals)}): run the model's forwards inside the clock the scheduler sets, named after "
+            "the proposers decoded")
+        assert engine.forwards > forwards and engine.rows_decoded >= engine.forwards - forwards + rows, (
+            "forwards and rows_decoded must count the decode forwards and the candidate rows fed to them")
+
+    def test_scoring_session_matches_the_model(self, engine, reference):
+        """`scoring_session().token_logprobs(trajectories, texts)`: a list per text with the
+        model's log-probability of each token of `encode(text)` after the prompt and every
+        committed step (each tokenized on its own), following a trajectory that grows, and
+        forgetting a released problem (its id may come back with another trajectory)."""
+        import torch
+
+        try:
+            session = engine.scoring_session()
+        except Exception as e:  # noqa: BLE001 — the contract reports what the scorer would meet
+            raise AssertionError(f"scoring_session() raised {type(e).__name__}: {e} (the `likelihood` scorer "
+                                 "with a model on this backend needs it)") from e
+        enc = lambda text: self.encode(reference, text)  # noqa: E731
+        assert enc("".join(SCORED_STEPS)) != [i for s in SCORED_STEPS for i in enc(s)], "the scenario needs steps that tokenize apart"
+
+        def expected(traj, text):
+            context = enc(traj.prompt) + [i for s in traj.steps for i in enc(s.text)]
+            logp = torch.log_softmax(self.logits(reference, context, enc(text)), dim=-1)
+            return logp.gather(-1, torch.tensor(enc(text))[:, None]).squeeze(-1).tolist()
+
+        def check(trajs, texts, when):
+            got = session.token_logprobs(trajs, texts)
+            assert isinstance(got, list) and len(got) == len(texts), (
+                f"token_logprobs() must return a list with one entry per text ({when})")
+            for t, text, lps in zip(trajs, texts, got):
+                assert isinstance(lps, list) and len(lps) == len(enc(text)) and all(isinstance(x, float) for x in lps), (
+                    f"token_logprobs(): one float per token of encode(text) ({len(enc(text))}), got {lps!r} ({when})")
+                want = expected(t, text)
+                assert lps == pytest.approx(want, abs=1e-4), (
+                    f"token_logprobs() of {text!r} for problem {t.problem_id} ({len(t.steps)} committed steps) are "
+                    f"not the model's log-probabilities after encode(prompt) + encode(step) for each step ({when}): "
+                    f"max difference {max(abs(a - b) for a, b in zip(lps, want)):.2e}")
+
+        p0 = Trajectory("p0", QUESTIONS[0], self.prompt(reference, 0), steps=[Step(s, "base", None, 0) for s in SCORED_STEPS])
+        p1 = Trajectory("p1", QUESTIONS[1], self.prompt(reference, 1))
+        check([p0, p0, p1], [SCORED_TEXTS[0], SCORED_TEXTS[1], SCORED_TEXTS[0]], "first call")
+        p0.steps.append(Step(SCORED_TEXTS[0], "base", None, 0))  # a step is committed
+        check([p0, p1], [SCORED_TEXTS[1], SCORED_TEXTS[1]], "after a step was committed to p0")
+        session.release(["p0", "no-such-problem"])
+        again = Trajectory("p0", QUESTIONS[2], self.prompt(reference, 2))  # a released id, another problem
+        check([again], [SCORED_TEXTS[1]], "after p0 was released and its id reused")
+        session.release(["p0", "p1"])
 
     def test_candidates_are_well_formed(self, engine, reference):
         (state,) = engine.start([StartRequest(self.prompt(reference, 0), _full(), 7)])
@@ -213,10 +556,12 @@ class EngineContract:
             return [c.token_ids for c in proposals[0].candidates]
 
         alone = candidates(11)
-        assert candidates(11) == alone
-        assert candidates(11, others=2) == alone  # decoded alongside other requests
-        assert candidates(12) != alone
-        assert len({tuple(c) for c in alone}) > 1  # candidates of one request differ
+        assert candidates(11) == alone, "the same seed gave other candidates: sampling must be seeded per request"
+        assert candidates(11, others=2) == alone, (
+            "a request's candidates changed when other requests were decoded with it: candidate i must draw "
+            "from its own stream, seeded by row_seed(request.seed, i)")
+        assert candidates(12) != alone, "another seed gave the same candidates"
+        assert len({tuple(c) for c in alone}) > 1, "the candidates of one request should differ"
 
     def test_pruners_stop_rows_at_once(self, engine, reference):
         pruner = _StopAt(3)

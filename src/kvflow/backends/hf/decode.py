@@ -225,7 +225,8 @@ class HFEngine:
         t.tokens[rows, pos], t.logprobs[rows, pos], t.entropies[rows, pos] = new, logprob, entropy
         t.count[rows] = pos + 1
         t.pending[rows] = new
-        # stop rules, batched over every live row: EOS, then the delimiter, then the step cap
+        # stop rules, batched over every live row: EOS, then the delimiter, then the step cap;
+        # then the pruners, over the rows these left live
         spans = self._spans()
         hit = torch.zeros_like(new, dtype=torch.bool)
         for delimiter, idx in _groups(self.running, lambda r: r.request.spec.delimiter):
@@ -304,21 +305,31 @@ class HFEngine:
         return [torch.arange(bounds[i], bounds[i + 1]) for i in range(len(sizes))]
 
     def _prune(self, group: list[_Running], rows: torch.Tensor, finish: torch.Tensor) -> torch.Tensor:
-        """Run the pruners of one proposer over the live rows of its running proposals."""
+        """Run the pruners of one proposer over the rows of its running proposals that are
+        still live after this token's stop rules (a row ending on this token is not shown:
+        its stop rule's finish stands; `kvflow.components.base.Pruner`)."""
         t, spec = self.table, group[0].request.spec
+        live = (finish == _LIVE).nonzero().flatten()  # positions in `rows` (CPU tensors: no device sync)
+        if not len(live):
+            return finish
+        owners = [(r, j) for r in group for j in r.live.tolist()]  # row i of `rows` -> (proposal, local row)
+        owners = [owners[i] for i in live.tolist()]
+        rows = rows[live]
         width = int(t.cap[rows].max())
         if all(r.texts is not None for r in group):
-            texts = [r.texts[j] for r in group for j in r.live.tolist()]
+            texts = [r.texts[j] for r, j in owners]
         else:
             texts = _LazyTexts(self, rows)
-        owners = [(r, j) for r in group for j in r.live.tolist()]  # row i of the trace -> (proposal, local row)
         trace = StepTrace(t.entropies[rows, :width], t.count[rows], texts)
+        verdict = finish[live]
         for k, (name, pruner) in enumerate(spec.pruners):
             if spec.record_signals:
                 for (r, j), v in zip(owners, pruner.signal(trace).tolist()):
                     r.signals[j].setdefault(name, []).append(v)
-            flagged = pruner.check(trace).to(finish.device) & (finish == _LIVE)
-            finish = torch.where(flagged, _PRUNED + k, finish)
+            flagged = pruner.check(trace).to(verdict.device) & (verdict == _LIVE)  # the first pruner to flag names it
+            verdict = torch.where(flagged, _PRUNED + k, verdict)
+        finish = finish.clone()
+        finish[live] = verdict
         return finish
 
     def _finish(self, r: _Running) -> Proposal:
