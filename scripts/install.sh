@@ -49,6 +49,17 @@ elif ! "$venv/bin/python" -c "import torch" >/dev/null 2>&1; then
   fi
 fi
 
+# dev: headless Chromium (Debian's package) for the viewer's browser tests
+# (tests/test_view_browser.py), where this runs as root with apt; never fatal: without it
+# those tests skip with the reason
+case ",$extras," in *,dev,*)
+  if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "install: chromium (Debian) for the viewer's browser tests" >&2
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; } \
+      >/dev/null 2>&1 || echo "install: chromium could not be installed; the browser tests will skip" >&2
+  fi ;;
+esac
+
 spec="."
 [ -n "$extras" ] && spec=".[${extras}]"
 "${pip[@]}" install -q -e "$spec" ${constraints[@]+"${constraints[@]}"}
