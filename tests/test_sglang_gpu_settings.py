@@ -117,7 +117,7 @@ def test_settings_no_engine_can_run_under_are_refused_before_loading(tmp_path, c
     ({"disable_cuda_graph": False}, "disable_cuda_graph"),
     ({"enable_torch_compile": True}, "enable_torch_compile"),
     ({"kv_cache_dtype": "fp8_e5m2"}, "kv_cache_dtype"),
-    ({"dp_size": 2}, "dp_size"),
+    ({"enable_dp_attention": True}, "enable_dp_attention"),
     ({"attention_backend": "trtllm_mha"}, "attention_backend"),
     ({"decode_attention_backend": "triton"}, "decode_attention_backend"),
 ])

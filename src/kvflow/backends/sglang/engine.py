@@ -43,6 +43,7 @@ _POLL_S = 0.02  # longest wait for the engine per step() when rows are decoding
 @dataclass
 class SGLangState:
     ids: list[int]  # prompt + committed tokens
+    dp_rank: Optional[int] = None  # dp_size > 1: the replica whose radix cache holds its prefix
 
 
 @dataclass
@@ -112,8 +113,9 @@ class SGLangEngine(EvictedStates):
         # evicted states: snapshots live in the scheduler until a later request drops them
         self._ended: dict[str, tuple[dict, int]] = {}  # evicted candidate rid -> (finish, tokens made)
         self._drop_on_end: dict[str, str] = {}  # candidate rid -> its snapshot, dropped once it ended
-        self._drops: list[str] = []  # snapshots to drop with the next request
-        self._owned: set[str] = set()  # snapshots that exist or will
+        self._drops: dict[Optional[int], list[str]] = {}  # replica -> snapshots to drop with its next request
+        self._owned: dict[str, Optional[int]] = {}  # snapshots that exist or will -> their replica
+        self._rank_load: dict[int, int] = {}  # dp_size > 1: live states per replica (`_route`)
         self._ingests: dict[str, Any] = {}  # ingest request rid -> its end message (None: waiting)
         self._specs: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # evictor -> its part of a spec
         self._evicted_rids: set[str] = set()  # evicted candidates whose end has not arrived
@@ -136,8 +138,10 @@ class SGLangEngine(EvictedStates):
         self.running.clear()
         self._rows.clear()
         self._used.clear()
-        self._drops.extend(self._owned)
+        for snap, rank in self._owned.items():
+            self._drops.setdefault(rank, []).append(snap)
         self._owned.clear()
+        self._rank_load.clear()
         self._drop_on_end.clear()
 
     # ------------------------------------------------------------------ text and shapes
@@ -153,6 +157,21 @@ class SGLangEngine(EvictedStates):
         if p is None:
             p = self._pieces[token] = self.tokenizer.decode([token])
         return p
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel replicas of the engine (SGLang's resolved `dp_size`)."""
+        return int(self.resolved.get("dp_size") or 1)
+
+    def _route(self) -> Optional[int]:
+        """The replica a new problem state lives on: the one with the fewest of this engine's
+        live states (lowest first); None with one replica. Every request made from the state
+        goes there (its snapshots, or its prefix in the radix cache, are there)."""
+        if self.dp_size < 2:
+            return None
+        rank = min(range(self.dp_size), key=lambda r: (self._rank_load.get(r, 0), r))
+        self._rank_load[rank] = self._rank_load.get(rank, 0) + 1
+        return rank
 
     def drain(self, timeout: float = 30.0) -> None:
         """Wait until every request sent so far has ended in the engine (candidates kvflow
@@ -175,12 +194,13 @@ class SGLangEngine(EvictedStates):
         for r in requests:
             ids = self.encode(r.prompt)
             if not getattr(r.evictor, "bounded", True):
-                out.append(SGLangState(ids))
+                out.append(SGLangState(ids, self._route()))
                 continue
             if getattr(r.evictor.params, "quantize", None):
                 raise EngineError("backend 'sglang' does not store quantized KV (evictor `quantize`); "
                                   "put this proposer's model on backend 'hf'")
-            out.append(EvictedState(ids, None, 0, 0, r.evictor, r.rng_key, r.evictor.n_protected(len(ids) - 1)))
+            out.append(EvictedState(ids, None, 0, 0, r.evictor, r.rng_key, r.evictor.n_protected(len(ids) - 1),
+                                    self._route()))
         self._catch_up([s for s in out if isinstance(s, EvictedState)])
         return out
 
@@ -190,9 +210,10 @@ class SGLangEngine(EvictedStates):
             if isinstance(r.state, EvictedState):
                 out.append(self._sync_evicted(r))
             elif r.own_index is not None:
-                out.append(SGLangState(r.state.ids + list(r.proposal.candidates[r.own_index].token_ids)))
+                out.append(SGLangState(r.state.ids + list(r.proposal.candidates[r.own_index].token_ids),
+                                       r.state.dp_rank))
             else:
-                out.append(SGLangState(r.state.ids + self.encode(r.text)))
+                out.append(SGLangState(r.state.ids + self.encode(r.text), r.state.dp_rank))
         self._catch_up([s for s in out if isinstance(s, EvictedState)])
         return out
 
@@ -202,6 +223,9 @@ class SGLangEngine(EvictedStates):
         for s in states:
             if isinstance(s, EvictedState) and s.snap:
                 self._drop(s.snap)
+            rank = getattr(s, "dp_rank", None)
+            if rank is not None and self._rank_load.get(rank):
+                self._rank_load[rank] -= 1
         for p in proposals:
             for row in p.handle or ():
                 self._discard(row)
@@ -254,12 +278,12 @@ class SGLangEngine(EvictedStates):
                 state, ids = req.state, req.state.ids
                 if isinstance(state, EvictedState):  # from the state's snapshot: its resident tail + the pending token
                     row.snap = "c-" + row.rid
-                    self._owned.add(row.snap)
+                    self._owned[row.snap] = state.dp_rank
                     self._evicted_rids.add(row.rid)
                     params["custom_params"] = {"kvflow_evict": self._spec(
                         state, rng_key=row_seed(state.rng_key, i), save_as=row.snap)}
                     ids = ids[state.cached - state.resident :]
-                self.worker.send("generate", row.rid, ids, params, TOP_K)
+                self.worker.send("generate", row.rid, ids, params, TOP_K, state.dp_rank)
                 self.counters["requests"] += 1
             self.running.append(running)
             busy += spec.n

@@ -9,6 +9,13 @@ Ingesting text is a chain of requests from the snapshot, `max_new_tokens = 0`, e
 Snapshots kvflow no longer needs are dropped with the next request it sends (a drop that
 reached the scheduler before the snapshot was made would leave it behind, so a candidate's is
 dropped only once its end has arrived).
+
+Data parallelism (`dp_size > 1`): each replica has its own scheduler, and a snapshot lives in
+the one that made it. A state is given a replica when it starts (`dp_rank`: the replica with
+the fewest of this engine's live states, lowest first) and every request made from it (its
+ingests, its candidates, and the states they leave) names that replica (SGLang's
+`routed_dp_rank`, which every load-balance method of its DP controller honours); drops go with
+the next request to the replica that holds the snapshot.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ class EvictedState:
     evictor: Any
     rng_key: int
     n_protected: int
+    dp_rank: Optional[int] = None  # the data-parallel replica holding its snapshots (None: dp_size 1)
 
 
 class EvictedStates:
@@ -81,7 +89,8 @@ class EvictedStates:
                 spec = self._spec(s, rng_key=s.rng_key, save_as="s-" + rid)
                 params = {"max_new_tokens": 0, "custom_params": {"kvflow_evict": spec}}
                 self._ingests[rid] = None
-                self.worker.send("generate", rid, s.ids[s.cached - s.resident : s.cached] + chunk, params, 0)
+                self.worker.send("generate", rid, s.ids[s.cached - s.resident : s.cached] + chunk, params, 0,
+                                 s.dp_rank)
                 self.counters["ingest_requests"] += 1
                 sent[rid] = (s, len(chunk))
             self._wait(lambda: all(self._ingests[rid] is not None for rid in sent), "ingesting a step")
@@ -93,7 +102,7 @@ class EvictedStates:
                 if s.snap:
                     self._drop(s.snap)
                 s.snap = "s-" + rid
-                self._owned.add(s.snap)
+                self._owned[s.snap] = s.dp_rank
                 s.resident = _resident_after(s.resident, n, s.evictor)
                 s.cached += n
 
@@ -108,12 +117,12 @@ class EvictedStates:
         spec["from"] = s.snap
         if self.dump_dir:
             spec["dump"] = str(self.dump_dir)
-        spec["drop"], self._drops = self._drops, []
+        spec["drop"] = self._drops.pop(s.dp_rank, [])  # only the replica the request goes to holds them
         return spec
 
     def _drop(self, snap: str) -> None:
-        self._owned.discard(snap)
-        self._drops.append(snap)
+        rank = self._owned.pop(snap, None)
+        self._drops.setdefault(rank, []).append(snap)
 
     def _discard(self, row) -> None:
         """A candidate's snapshot is not needed: drop it once the engine has ended the

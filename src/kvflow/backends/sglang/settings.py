@@ -112,8 +112,6 @@ REFUSED_EVICTING = (
      "use the model's dtype (`auto`)"),
     ("enable_mixed_chunk", lambda v: v is True, "evicted requests are extended and decoded in separate forwards"),
     ("speculative_algorithm", lambda v: v is not None, "speculative decoding writes draft tokens kvflow does not evict"),
-    ("dp_size", lambda v: v not in (None, 1),
-     "data-parallel replicas would receive a problem's requests without the snapshots another replica holds"),
     ("pp_size", lambda v: v not in (None, 1),
      "a pipeline-parallel rank holds some layers only, and kvflow compacts every layer of a request at once"),
     ("enable_dp_attention", lambda v: v is True,
@@ -215,6 +213,7 @@ _ENGINES: dict[tuple, Any] = {}
 RECORDED = ("device", "dtype", "sampling_backend", "attention_backend", "prefill_attention_backend",
             "decode_attention_backend", "page_size", "kv_cache_dtype", "disable_cuda_graph", "cuda_graph_config",
             "enable_torch_compile", "disable_overlap_schedule", "disable_radix_cache", "tp_size", "dp_size", "pp_size",
+            "load_balance_method",
             "base_gpu_id", "mem_fraction_static", "max_total_tokens", "context_length", "chunked_prefill_size",
             "max_running_requests", "enable_deterministic_inference", "speculative_algorithm")
 

@@ -10,14 +10,15 @@ Protocol (`frames`: 4-byte little-endian length + pickle, stdin → requests, st
 replies; SGLang's own prints go to stderr):
     → {"engine": kwargs}                      first frame: build the engine
     ← ("ready", info)                        info: sglang version, the server args SGLang resolved
-    → ("generate", rid, input_ids, sampling_params, top_logprobs)
+    → ("generate", rid, input_ids, sampling_params, top_logprobs[, dp_rank])
+                                             dp_rank: the data-parallel replica (SGLang's routed_dp_rank)
     ← ("tokens", rid, ids, logprobs, top)    new tokens as they stream (deltas)
     ← ("end", rid, finish, meta)             finish: SGLang's finish_reason
     → ("score", rid, input_ids, start)       log-probabilities of input_ids[start:]
     ← ("scored", rid, logprobs, meta)
     → ("abort", rid)                         the request ends soon with finish type "abort"
     → ("state", rid)                         the scheduler's state (KV slots in use, kvflow's snapshots)
-    ← ("state", rid, dict)
+    ← ("state", rid, dict)                   summed over data-parallel replicas (each under "replicas")
     → ("shutdown",)
     ← ("error", rid, message)                a request failed (rid None: the worker failed)
 """
@@ -60,12 +61,12 @@ class _Worker:
     def send(self, *msg) -> None:
         write_frame(self.out, msg)
 
-    async def generate(self, rid, input_ids, sampling_params, top_logprobs) -> None:
+    async def generate(self, rid, input_ids, sampling_params, top_logprobs, dp_rank=None) -> None:
         sent = 0
         try:
             stream = await self.engine.async_generate(
                 input_ids=input_ids, sampling_params=sampling_params, return_logprob=True,
-                top_logprobs_num=top_logprobs, stream=True, rid=rid)
+                top_logprobs_num=top_logprobs, stream=True, rid=rid, routed_dp_rank=dp_rank)
             async for chunk in stream:
                 ids, meta = chunk["output_ids"], chunk["meta_info"]
                 lps = meta.get("output_token_logprobs") or []
@@ -100,7 +101,7 @@ class _Worker:
     async def state(self, rid) -> None:
         try:
             states = await self.engine.tokenizer_manager.get_internal_state()
-            self.send("state", rid, states[0].get("kvflow") or {})
+            self.send("state", rid, merged_state([s.get("kvflow") or {} for s in states]))
         except Exception as exc:  # noqa: BLE001
             self.send("error", rid, f"{type(exc).__name__}: {exc}")
         finally:
@@ -126,6 +127,25 @@ class _Worker:
             msg = await inbox.get()
             if msg is None or not self.handle(msg):
                 return
+
+
+def merged_state(replicas: list) -> dict:
+    """kvflow's scheduler state over data-parallel replicas (one dict each): counts summed,
+    peaks the largest, per-request slots merged; with several, each replica's own under
+    `replicas` (in rank order)."""
+    if len(replicas) == 1:
+        return replicas[0]
+    out: dict = {}
+    for state in replicas:
+        for key, value in state.items():
+            if key.startswith("peak_"):
+                out[key] = max(out.get(key, value), value)
+            elif isinstance(value, dict):
+                out.setdefault(key, {}).update(value)
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                out[key] = out.get(key, 0) + value
+    out["replicas"] = replicas
+    return out
 
 
 def _meta(meta: dict) -> dict:
