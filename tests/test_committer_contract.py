@@ -15,7 +15,8 @@ def test_builtins_registered():
 
 
 class TestRegisteredCommitters(CommitterContract):
-    @pytest.fixture(params=NAMES)
-    def committer_factory(self, request):
+    @pytest.fixture(scope="class", params=NAMES)
+    @classmethod
+    def committer_factory(cls, request):
         cls = get_registry().get("committers", request.param)
         return lambda proposers, **params: cls(cls.Params(**params), proposers)

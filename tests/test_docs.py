@@ -139,6 +139,37 @@ def test_every_hook_has_a_docstring_and_is_documented():
     assert not problems, "\n".join(problems)
 
 
+def _minor(version: str) -> tuple[int, int]:
+    major, minor = version.split(".")[:2]
+    return int(major), int(minor)
+
+
+def test_added_in_versions_agree_with_kvflows():
+    """What plugin authors read as "added in" (hook docstrings, the hook table, protocol
+    docstrings) names a kvflow version that exists: no later than kvflow's own (0.1.0: all
+    "added in 0.1"), and every hook says one (docs/plugins.md, "Versions")."""
+    import kvflow
+    from kvflow import hookspecs
+    from kvflow.components import base, engine
+
+    current = _minor(kvflow.__version__)
+    texts = {f"hook {n}": inspect.cleandoc(f.__doc__ or "") for n, f in _hookspecs().items()}
+    texts.update({"kvflow.hookspecs": hookspecs.__doc__ or "", "kvflow.components.engine": inspect.getsource(engine),
+                  "kvflow.components.base": inspect.getsource(base), "docs/plugins.md": _read(PLUGINS_DOC)})
+    problems = []
+    for where, text in texts.items():
+        for version in re.findall(r"[Aa]dded in (?:kvflow )?(\d+\.\d+)", text):
+            if _minor(version) > current:
+                problems.append(f"{where}: 'added in {version}', but kvflow is {kvflow.__version__}")
+        for version in re.findall(r"\bin (\d+\.\d+)\b", text):
+            if _minor(version) > current:
+                problems.append(f"{where}: 'in {version}', but kvflow is {kvflow.__version__}")
+    for name in _hookspecs():
+        if not re.search(r"^Added in kvflow \d+\.\d+\.?$", texts[f"hook {name}"], re.M):
+            problems.append(f"hook {name}: no line 'Added in kvflow X.Y.' (the hook table's 'added in' is read from it)")
+    assert not problems, "\n".join(problems)
+
+
 PLUGINS_DOC = DOCS / "plugins.md"
 
 

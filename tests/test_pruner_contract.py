@@ -15,7 +15,8 @@ def test_builtins_registered():
 
 
 class TestRegisteredPruners(PrunerContract):
-    @pytest.fixture(params=NAMES)
-    def pruner_factory(self, request):
+    @pytest.fixture(scope="class", params=NAMES)
+    @classmethod
+    def pruner_factory(cls, request):
         cls = get_registry().get("pruners", request.param)
         return lambda **params: cls(cls.Params(**params))

@@ -23,8 +23,10 @@ def test_builtins_registered():
 
 
 class TestRegisteredScorers(ScorerContract):
-    @pytest.fixture(params=CASES, ids=[f"{n}-{'-'.join(map(str, p.values())) or 'defaults'}" for n, p in CASES])
-    def scorer_factory(self, request):
+    @pytest.fixture(scope="class", params=CASES,
+                    ids=[f"{n}-{'-'.join(map(str, p.values())) or 'defaults'}" for n, p in CASES])
+    @classmethod
+    def scorer_factory(cls, request):
         name, extra = request.param
         cls = get_registry().get("scorers", name)
         return lambda context, **params: cls(cls.Params(**{**params, **extra}), context)

@@ -96,7 +96,10 @@ def register_backends(register: Register) -> None:
 
         register("hf", "kvflow.backends.hf:HFBackend")
 
-    Added in kvflow 0.1; `check` and the Engine protocol in 0.2.
+    ``check``, ``load`` and the Engine protocol, its optional members included, are part of
+    the hook as of 0.1 (docs/plugins.md, "Versions").
+
+    Added in kvflow 0.1.
     """
 
 

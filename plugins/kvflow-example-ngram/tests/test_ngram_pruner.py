@@ -14,8 +14,9 @@ from kvflow_example_ngram.pruner import TOKEN, NgramRepetitionPruner, max_ngram_
 
 # --8<-- [start:contract]
 class TestNgramContract(PrunerContract):
-    @pytest.fixture
-    def pruner_factory(self):
+    @pytest.fixture(scope="class")
+    @classmethod
+    def pruner_factory(cls):
         return lambda **params: NgramRepetitionPruner(NgramRepetitionPruner.Params(**params))
 # --8<-- [end:contract]
 

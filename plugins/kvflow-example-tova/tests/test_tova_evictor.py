@@ -13,8 +13,9 @@ from kvflow_example_tova.evictor import TovaEvictor
 
 # --8<-- [start:contract]
 class TestTovaContract(EvictorContract):
-    @pytest.fixture(params=["group", "layer"])
-    def evictor_factory(self, request):
+    @pytest.fixture(scope="class", params=["group", "layer"])
+    @classmethod
+    def evictor_factory(cls, request):
         return lambda **params: TovaEvictor(TovaEvictor.Params(heads=request.param, **params))
 # --8<-- [end:contract]
 

@@ -7,10 +7,15 @@ Built-ins and third-party committers run the same tests. In a plugin's test suit
     from my_plugin import MyCommitter
 
     class TestMyCommitter(CommitterContract):
-        @pytest.fixture
-        def committer_factory(self):
+        @pytest.fixture(scope="class")
+        @classmethod
+        def committer_factory(cls):
             # proposers: the pipeline's proposer names in order (the first is the base)
             return lambda proposers, **params: MyCommitter(MyCommitter.Params(**params), proposers)
+
+The factory is a class-scoped fixture written as a `@classmethod` under `@pytest.fixture`,
+the form pytest 9 and 10 accept (pytest 9 deprecates class-scoped fixtures that are instance
+methods; pytest 10 removes them); a parametrized factory takes `request` after `cls`.
 
 The runtime calls `pick(candidates)` once per problem per round with that problem's scored
 candidates in proposer order (scores may be None, for proposers the scorer does not score,
@@ -22,6 +27,8 @@ nan, or -inf). What is checked, over a few hundred random rounds (seeded):
   instance agree;
 - monotone in the winner's score: raising the picked candidate's score keeps it picked
   (set `score_monotone = False` for a committer that is not score-based);
+- any pipeline: one proposer, or three; and the proposers' names do not matter (the base is
+  the first proposer, whatever it is called): renaming them consistently changes no pick;
 - the checks of `kvflow.testing.component_contract` (frozen, described Params; docstrings).
 """
 
@@ -69,8 +76,9 @@ class CommitterContract(ComponentContract):
     score_monotone: ClassVar[bool] = True
     params_base = CommitterParams
 
-    @pytest.fixture
-    def committer_factory(self) -> Callable[..., Any]:
+    @pytest.fixture(scope="class")
+    @classmethod
+    def committer_factory(cls) -> Callable[..., Any]:
         """Return a callable `factory(proposers, **params) -> Committer`."""
         raise NotImplementedError("override the committer_factory fixture")
 
@@ -133,6 +141,31 @@ class CommitterContract(ComponentContract):
             finite = [c.score for c in cands if c.score is not None and math.isfinite(c.score)]
             cands[i].score = max(finite, default=0.0) + 1.0
             assert self.pick(committer, cands) == i, "the winner lost after its score was raised"
+
+
+    def test_any_number_of_proposers(self, committer_factory):
+        for proposers in (["base"], ["base", "helper", "third"]):
+            try:
+                committer = self.make(committer_factory, proposers)
+                for cands in self.rounds(5, proposers):
+                    self.pick(committer, cands)
+            except AssertionError:
+                raise
+            except Exception as e:  # noqa: BLE001 — say which pipeline the committer cannot serve
+                raise AssertionError(f"with proposers {proposers} the committer failed: {type(e).__name__}: {e} "
+                                     "(a pipeline may have one proposer, or more than two)") from e
+
+    def test_proposer_names_do_not_matter(self, committer_factory):
+        """Renaming the proposers (the base is the first, whatever its name) changes no pick."""
+        renamed = ["main", "assist"]
+        plain, other = self.make(committer_factory), self.make(committer_factory, renamed)
+        for cands in self.rounds(6):
+            moved = copy.deepcopy(cands)
+            for c in moved:
+                c.source = renamed[PROPOSERS.index(c.source)]
+            assert self.pick(other, moved) == self.pick(plain, cands), (
+                f"renaming the proposers {PROPOSERS} to {renamed} changed the pick: take the base from the "
+                "committer's `proposers` (the first), never from a proposer's name")
 
 
 def _same_with_nan(a, b) -> bool:

@@ -7,10 +7,15 @@ Built-ins and third-party pruners run the same tests. In a plugin's test suite:
     from my_plugin import MyPruner
 
     class TestMyPruner(PrunerContract):
-        @pytest.fixture
-        def pruner_factory(self):
+        @pytest.fixture(scope="class")
+        @classmethod
+        def pruner_factory(cls):
             # params override the pruner's Params defaults (plus anything in contract_params)
             return lambda **params: MyPruner(MyPruner.Params(**params))
+
+The factory is a class-scoped fixture written as a `@classmethod` under `@pytest.fixture`,
+the form pytest 9 and 10 accept (pytest 9 deprecates class-scoped fixtures that are instance
+methods; pytest 10 removes them); a parametrized factory takes `request` after `cls`.
 
 pytest collects the inherited `test_*` methods; they run on CPU in well under a second.
 The runtime calls `check()` after every decoded token with the live candidate rows of a
@@ -109,8 +114,9 @@ class PrunerContract(ComponentContract):
 
     params_base = PrunerParams
 
-    @pytest.fixture
-    def pruner_factory(self) -> Callable[..., Any]:
+    @pytest.fixture(scope="class")
+    @classmethod
+    def pruner_factory(cls) -> Callable[..., Any]:
         """Return a callable `factory(**params) -> Pruner`; params override `Params` defaults."""
         raise NotImplementedError("override the pruner_factory fixture")
 

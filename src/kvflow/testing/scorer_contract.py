@@ -9,9 +9,14 @@ Built-ins and third-party scorers run the same tests. In a plugin's test suite:
     class TestMyScorer(ScorerContract):
         contract_params = {"model": "tiny"}  # if it scores with a model: `models.tiny` is provided
 
-        @pytest.fixture
-        def scorer_factory(self):
+        @pytest.fixture(scope="class")
+        @classmethod
+        def scorer_factory(cls):
             return lambda context, **params: MyScorer(MyScorer.Params(**params), context)
+
+The factory is a class-scoped fixture written as a `@classmethod` under `@pytest.fixture`,
+the form pytest 9 and 10 accept (pytest 9 deprecates class-scoped fixtures that are instance
+methods; pytest 10 removes them); a parametrized factory takes `request` after `cls`.
 
 The suite builds the `ScorerContext` the runtime would: proposers `base` and `helper`, seed 0,
 delimiter "\\n\\n", `load_session("tiny")` giving a full-KV scoring session on a tiny
@@ -25,6 +30,9 @@ with `tiny` pointing at that model saved as a transformers directory. What is ch
   score as in the batch (up to float noise of padded batches);
 - state: after a step is committed to a trajectory, scoring its next candidates gives what a
   fresh scorer gives; `release()` of finished (or unknown) problems keeps scores the same;
+- identity: a candidate's problem is its request's trajectory (`problem_id`), not
+  `Candidate.problem`, which engines leave 0: the scores do not change when every candidate
+  says problem 0 (two problems at the same depth included);
 - requests are not changed; `can_score()` answers a bool for each proposer and
   `models_needed()` names only keys of `models`;
 - the checks of `kvflow.testing.component_contract` (frozen, described Params; docstrings).
@@ -103,8 +111,9 @@ class ScorerContract(ComponentContract):
     contract_params: ClassVar[dict] = {}
     params_base = ScorerParams
 
-    @pytest.fixture
-    def scorer_factory(self) -> Callable[..., Any]:
+    @pytest.fixture(scope="class")
+    @classmethod
+    def scorer_factory(cls) -> Callable[..., Any]:
         """Return a callable `factory(context, **params) -> Scorer`."""
         raise NotImplementedError("override the scorer_factory fixture")
 
@@ -193,6 +202,22 @@ class ScorerContract(ComponentContract):
         reqs = [r for r in requests(trajs) if r.trajectory.problem_id in grown]
         fresh = self.make(scorer_factory, scorer_context)
         self.assert_close(self.scores(scorer, reqs), self.scores(fresh, reqs), "after a commit and a release")
+
+    def test_candidate_problem_is_not_an_identity(self, scorer_factory, scorer_context):
+        """Engines leave `Candidate.problem` 0 (kvflow.components.engine): a scorer must know a
+        candidate's problem from `ScoreRequest.trajectory`. Here two problems stand at the same
+        depth with different steps."""
+        from kvflow.components.base import Step
+
+        trajs = _trajectories()
+        trajs["p1"].steps.append(Step(STEPS[1], "base", None, 8))  # p1 and p2: one step each, different ones
+        numbered = self.scores(self.make(scorer_factory, scorer_context), requests(trajs))
+        zeroed = requests(trajs)
+        for r in zeroed:
+            r.candidate.problem = 0  # what an engine hands over
+        self.assert_close(self.scores(self.make(scorer_factory, scorer_context), zeroed), numbered,
+                          "with Candidate.problem 0 for every candidate (as engines leave it) vs numbered: a "
+                          "candidate's problem is ScoreRequest.trajectory.problem_id")
 
     def test_can_score_and_models_needed(self, scorer_factory, scorer_context):
         scorer = self.make(scorer_factory, scorer_context)
