@@ -129,7 +129,28 @@ class LowestCommitter(Committer):
         return min(range(len(candidates)), key=scores.__getitem__)
 
 
+class NamedBaseCommitter(Committer):
+    """Highest score; ties go to the proposer named "base" (not to the first proposer)."""
+
+    def pick(self, candidates):
+        def key(i):
+            c = candidates[i]
+            s = c.score if c.score is not None and c.score == c.score else float("-inf")
+            return (-s, c.source != "base", c.index)
+        return min(range(len(candidates)), key=key)
+
+
+class TwoProposerCommitter(NamedBaseCommitter):
+    """Assumes a pipeline has exactly a base and one helper."""
+
+    def __init__(self, params, proposers):
+        super().__init__(params, proposers)
+        self.base, self.helper = proposers
+
+
 @pytest.mark.parametrize("cls,test,message", [
+    (NamedBaseCommitter, "test_proposer_names_do_not_matter", "renaming the proposers"),
+    (TwoProposerCommitter, "test_any_number_of_proposers", r"with proposers \['base'\] the committer failed"),
     (OutOfRangeCommitter, "test_pick_returns_an_index", "for .* candidates"),
     (CoinCommitter, "test_deterministic_and_pure", "different winners|picked differently"),
     (LowestCommitter, "test_raising_the_winners_score_keeps_it", "lost after its score was raised"),
@@ -168,7 +189,24 @@ class MutatingScorer(BatchScorer):
         return [1.0] * len(requests)
 
 
+class ContextByIndexScorer(BatchScorer):
+    """Keeps each problem's context by `Candidate.problem` (and depth), as if it were an identity."""
+
+    def __init__(self, params, context):
+        super().__init__(params, context)
+        self.contexts = {}
+
+    def score(self, requests):
+        out = []
+        for r in requests:
+            key = (r.candidate.problem, len(r.trajectory.steps))
+            context = self.contexts.setdefault(key, "".join(s.text for s in r.trajectory.steps))
+            out.append(float(len(context)) + len(r.candidate.text) / 1000)
+        return out
+
+
 @pytest.mark.parametrize("cls,test,message", [
+    (ContextByIndexScorer, "test_candidate_problem_is_not_an_identity", "Candidate.problem 0 for every candidate"),
     (BatchScorer, "test_batch_and_order_do_not_matter", "alone vs in a batch"),
     (ShortScorer, "test_one_float_per_request", "5 scores for 6 requests"),
     (MutatingScorer, "test_requests_are_not_changed", "changed its requests"),
@@ -178,6 +216,59 @@ def test_scorer_contract_catches(cls, test, message):
     context = lambda: ScorerContext(load_session=None, proposers=["base", "helper"], seed=0)  # noqa: E731
     with pytest.raises(AssertionError, match=message):
         getattr(ScorerContract(), test)(factory, context)
+
+
+# --------------------------------------------------------------------------- evictors
+
+from kvflow.components.base import Evictor, EvictorParams  # noqa: E402
+from kvflow.testing.evictor_contract import EvictorContract  # noqa: E402
+
+
+class BatchMeanEvictor(Evictor):
+    """Key norms plus the batch's mean norm per slot: a row's kept set depends on the other rows."""
+
+    Params = EvictorParams
+
+    def score(self, keys, values, queries, **kwargs):
+        norms = keys.float().norm(dim=-1)
+        return norms + norms.mean(dim=0, keepdim=True)
+
+
+class TopkEvictor(Evictor):
+    """Key norms, selected with topk instead of the base class's rule: ties go where topk puts them."""
+
+    Params = EvictorParams
+
+    def score(self, keys, values, queries, **kwargs):
+        return -keys.float().norm(dim=-1)
+
+    def select(self, keys, values, queries, *, lengths, n_protected, **kwargs):
+        scores = self.score(keys, values, queries).clone()
+        slot, end = torch.arange(keys.shape[2])[None, None, :], lengths[:, None, None]
+        forced = ((slot >= end - self.params.window) & (slot < end)) | (slot < n_protected[:, None, None])
+        scores = scores.masked_fill(slot >= end, float("-inf")).masked_fill(forced, float("inf"))
+        return scores.topk(self.params.budget, dim=-1).indices.sort(dim=-1).values
+
+
+class GlobalRNGEvictor(Evictor):
+    """Random scores from torch's global generator, not the rows' own `generators`."""
+
+    Params = EvictorParams
+
+    def score(self, keys, values, queries, **kwargs):
+        return torch.rand(keys.shape[:3])
+
+
+@pytest.mark.parametrize("cls,test,message,args", [
+    (BatchMeanEvictor, "test_select_is_batch_independent", "kept different slots for the row alone and inside a batch",
+     ("qwen2",)),
+    (TopkEvictor, "test_select_is_tie_stable", "tied scores must keep the earliest slots", ("qwen2",)),
+    (GlobalRNGEvictor, "test_batched_equals_alone", "not a function of its inputs and generators", ()),
+])
+def test_evictor_contract_catches(cls, test, message, args):
+    factory = lambda **params: cls(EvictorParams(**params))  # noqa: E731
+    with pytest.raises(AssertionError, match=message):
+        getattr(EvictorContract(), test)(factory, *args)
 
 
 # --------------------------------------------------------------------------- engines

@@ -15,11 +15,25 @@ def test_builtins_registered():
 
 
 class TestRegisteredEvictors(EvictorContract):
-    @pytest.fixture(params=NAMES)
-    def evictor_factory(self, request):
+    @pytest.fixture(scope="class", params=NAMES)
+    @classmethod
+    def evictor_factory(cls, request):
         cls = get_registry().get("evictors", request.param)
         # the contract is about which tokens an evictor keeps; quantized storage (breadthkv's
         # default) has its own tests in tests/test_quant.py
         params_off = {"quantize": None} if "quantize" in cls.Params.model_fields else {}
         return lambda **params: cls(cls.Params(**params_off, **{k: v for k, v in params.items()
                                                                 if k in cls.Params.model_fields}))
+
+
+class TestThirdPartyKeyNorm(EvictorContract):
+    """An evictor written as a plugin author would (keep the smallest key norms): its scores
+    tie in exact arithmetic on repeated tokens, which the forward's batch noise breaks
+    differently batched and alone; the contract must pass it all the same."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def evictor_factory(cls):
+        from kvflow.testing.third_party import KeyNormEvictor
+
+        return lambda **params: KeyNormEvictor(KeyNormEvictor.Params(**params))

@@ -111,7 +111,9 @@ class StepTrace:
 
     entropies: [rows, max_step_tokens] float32, valid up to n_tokens[row]
     n_tokens:  [rows] int64, tokens generated so far in this step (including the newest)
-    texts:     decoded text of each row's step so far
+    texts:     each row's step so far: its tokens' texts, each decoded on its own, joined (a
+               character split across tokens shows as U+FFFD pieces); engines may pass
+               anything when every pruner has `needs_text = False`
     """
 
     entropies: "_torch.Tensor"
@@ -321,6 +323,36 @@ class Evictor:
         """
         raise NotImplementedError
 
+    def ranked_scores(
+        self,
+        keys: "_torch.Tensor",
+        values: "_torch.Tensor",
+        queries: Optional["_torch.Tensor"],
+        *,
+        layer_idx: int,
+        lengths: "_torch.Tensor",
+        n_protected: "_torch.Tensor",
+        generators: Sequence["_torch.Generator"],
+        stats: Optional["_torch.Tensor"] = None,
+        head_lengths: Optional["_torch.Tensor"] = None,
+    ) -> "_torch.Tensor":
+        """The scores `select()` ranks: [rows, kv_heads, N] float32, `score()` called as
+        `select()` calls it (all heads at once, or one KV head at a time for adaptive evictors),
+        before the forced slots and padding are set. For inspection and the evictor contract."""
+        rows, kv_heads, n, _ = keys.shape
+        if not self.adaptive_heads:
+            extra = {"stats": stats} if self.observes_attention else {}
+            return self.score(keys, values, queries, layer_idx=layer_idx, lengths=lengths,
+                              n_protected=n_protected, generators=generators, **extra).float()
+        per_head = lengths[:, None].expand(-1, kv_heads) if head_lengths is None else head_lengths
+        g = queries.shape[1] // kv_heads if queries is not None else 0
+        return torch.cat([
+            self.score(keys[:, h : h + 1], values[:, h : h + 1],
+                       queries[:, h * g : (h + 1) * g] if queries is not None else None, layer_idx=layer_idx,
+                       lengths=per_head[:, h].contiguous(), n_protected=n_protected, generators=generators,
+                       **({"stats": stats[:, h : h + 1]} if self.observes_attention else {})).float()
+            for h in range(kv_heads)], dim=1)
+
     def select(
         self,
         keys: "_torch.Tensor",
@@ -353,21 +385,13 @@ class Evictor:
         budget = self.params.budget if budget is None else budget
         if budget < self.params.budget:  # a smaller layer budget protects what still fits
             n_protected = n_protected.clamp(max=max(0, budget - self.params.window - 1))
+        scores = self.ranked_scores(keys, values, queries, layer_idx=layer_idx, lengths=lengths,
+                                    n_protected=n_protected, generators=generators, stats=stats,
+                                    head_lengths=head_lengths).clone()
         if self.adaptive_heads:
             per_head = lengths[:, None].expand(-1, kv_heads) if head_lengths is None else head_lengths
-            g = queries.shape[1] // kv_heads if queries is not None else 0
-            scores = torch.cat([
-                self.score(keys[:, h : h + 1], values[:, h : h + 1],
-                           queries[:, h * g : (h + 1) * g] if queries is not None else None, layer_idx=layer_idx,
-                           lengths=per_head[:, h].contiguous(), n_protected=n_protected, generators=generators,
-                           **({"stats": stats[:, h : h + 1]} if self.observes_attention else {})).float()
-                for h in range(kv_heads)], dim=1)
         else:
             per_head = lengths[:, None]
-            extra = {"stats": stats} if self.observes_attention else {}
-            scores = self.score(keys, values, queries, layer_idx=layer_idx, lengths=lengths,
-                                n_protected=n_protected, generators=generators, **extra).float()
-        scores = scores.clone()
         slot = torch.arange(n, device=keys.device)[None, None, :]  # [1, 1, N]
         length = per_head.to(keys.device)[:, :, None]  # [rows, kv_heads or 1, 1]
         valid = slot < length

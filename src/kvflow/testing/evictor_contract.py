@@ -7,10 +7,15 @@ Built-ins and third-party evictors run the same tests. In a plugin's test suite:
     from my_plugin import MyEvictor
 
     class TestMyEvictor(EvictorContract):
-        @pytest.fixture
-        def evictor_factory(self):
+        @pytest.fixture(scope="class")
+        @classmethod
+        def evictor_factory(cls):
             # params: budget, buffer, window, protect_prompt (+ anything in contract_params)
             return lambda **params: MyEvictor(MyEvictor.Params(**params))
+
+The factory is a class-scoped fixture written as a `@classmethod` under `@pytest.fixture`,
+the form pytest 9 and 10 accept (pytest 9 deprecates class-scoped fixtures that are instance
+methods; pytest 10 removes them); a parametrized factory takes `request` after `cls`.
 
 pytest collects the inherited `test_*` methods. Everything runs on CPU on tiny random-weight
 models (`kvflow.testing.tiny_model`: Qwen2 with 2 KV heads, Llama with 3, an MHA model) in a
@@ -24,6 +29,8 @@ What is checked, for bounded evictors (for `bounded = False` ones only what appl
   forward that triggers a compaction), is exactly `budget` right after a compaction, and
   the preallocated storage never grows;
 - ties: equal scores keep the earlier slot, alone and batched alike (a repeated token's keys);
+- selection is batch-independent, exactly: the same tensors give the same kept slots for a
+  row alone as inside a batch (rows of different lengths, protected prompts, exact ties);
 - `select()`: exactly `budget` slots per (row, KV head), strictly ascending (time order, no
   duplicates), inside the row, the recent window and the protected prompt always among them,
   for every architecture (GQA 2 and 3 KV heads, MHA), rows of different lengths, float32
@@ -34,7 +41,11 @@ What is checked, for bounded evictors (for `bounded = False` ones only what appl
   `model.generate` token for token;
 - determinism under the row seeds, and batching: rows with different prompt lengths (hence
   different compaction times and kept sets) decoded in one batch give the same tokens and
-  the same cache as each row decoded alone; forking and joining rows carries their state;
+  the same cache as each row decoded alone, up to what the forward's own batch variance
+  explains (a kept-slot swap between scores closer than the two runs' score difference, or
+  a near-tied argmax, after which the row is not compared further: scores that tie only in
+  exact arithmetic are no fault of the evictor; docs/components.md, "Ties"); forking and
+  joining rows carries their state;
 - float32 and bfloat16 decoding with compactions stays finite;
 - every engine: on each registered backend that evicts (SGLang through kvflow's plugin), the
   same greedy steps, log-probabilities and kept keys per (layer, KV head) as on `hf`
@@ -101,6 +112,167 @@ def _shapes(arch: str) -> tuple[int, int, int]:
     return extra["num_attention_heads"], extra["num_key_value_heads"], hidden // extra["num_attention_heads"]
 
 
+#: an argmax whose two best logits are closer than this may flip with the forward's batch noise
+ARGMAX_TIE = 1e-4
+
+
+class _Recorded:
+    """A decode run with what its evictor saw: tokens [rows][steps], the top-2 logit gap per
+    (step, row), and every compaction as (step, cache rows, [one select record per layer])."""
+
+    def __init__(self) -> None:
+        self.tokens: list[list[int]] = []
+        self.gaps: list[list[float]] = []
+        self.compactions: list[tuple[int, list[int], list[dict]]] = []
+        self.cache = None
+
+
+def _recorded_decode(runner, evictor, prompts, steps: int, seeds) -> _Recorded:
+    """`decode()` (greedy), recording every compaction's `select()` inputs and outputs."""
+    import torch
+
+    run = _Recorded()
+    step = [-1]  # -1: the prefill
+    calls: list[dict] = []
+    base = type(evictor)
+
+    class Recording(base):  # the same evictor, its select() calls recorded
+        def select(self, keys, values, queries, **kw):
+            gens = kw.get("generators") or []
+            record = {"keys": keys.clone(), "values": values.clone(),
+                      "queries": queries.clone() if queries is not None else None,
+                      "gen_states": [g.get_state() for g in gens],
+                      **{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in kw.items() if k != "generators"}}
+            keep = super().select(keys, values, queries, **kw)
+            record["keep"] = keep.clone()
+            calls.append(record)
+            return keep
+
+    Recording.__name__ = Recording.__qualname__ = base.__name__
+    ev = Recording.__new__(Recording)
+    ev.__dict__.update(evictor.__dict__)
+    cache = runner.new_cache(ev, len(prompts), seeds)
+    compact = cache.compact
+
+    def recorded_compact(rows):
+        calls.clear()
+        compact(rows)
+        run.compactions.append((step[0], rows.tolist(), list(calls)))
+
+    cache.compact = recorded_compact
+    pending = runner.prefill(cache, prompts)
+    run.tokens = [[] for _ in prompts]
+    for step[0] in range(steps):
+        logits = runner.forward(cache, pending[:, None])
+        assert torch.isfinite(logits).all(), "non-finite logits"
+        top = logits.topk(2, dim=-1).values
+        run.gaps.append((top[:, 0] - top[:, 1]).tolist())
+        pending = logits.argmax(-1).cpu()
+        for r, t in enumerate(pending.tolist()):
+            run.tokens[r].append(t)
+    run.cache = cache
+    return run
+
+
+def _row_record(record: dict, i: int) -> dict:
+    """Row i of a recorded select() call, as a one-row call."""
+    out = {}
+    for k, v in record.items():
+        if k == "gen_states":
+            out[k] = v[i : i + 1]
+        elif hasattr(v, "shape") and v.dim() >= 1:
+            out[k] = v[i : i + 1]
+        else:
+            out[k] = v
+    return out
+
+
+def _scores_of(evictor, rec: dict):
+    """The evictor's ranked scores for a recorded one-row select() call, and each slot's validity."""
+    import torch
+
+    gens = []
+    for state in rec["gen_states"]:
+        g = torch.Generator()
+        g.set_state(state)
+        gens.append(g)
+    scores = evictor.ranked_scores(rec["keys"], rec["values"], rec["queries"], layer_idx=rec["layer_idx"],
+                                   lengths=rec["lengths"], n_protected=rec["n_protected"], generators=gens,
+                                   stats=rec.get("stats"), head_lengths=rec.get("head_lengths"))
+    n = scores.shape[-1]
+    heads = rec.get("head_lengths")
+    length = (heads if heads is not None else rec["lengths"][:, None])[..., None]  # [1, H or 1, 1]
+    slot = torch.arange(n)[None, None, :]
+    valid = (slot < length) & (slot < length - evictor.params.window) & (slot >= rec["n_protected"][:, None, None])
+    return scores[0], valid[0].expand_as(scores[0])
+
+
+def _explained(evictor, alone: dict, batched: dict) -> tuple[bool, str]:
+    """Whether two one-row selections that kept different slots differ only by a swap the
+    difference of their inputs explains (see `test_batched_equals_alone`)."""
+    import torch
+
+    sa, valid = _scores_of(evictor, alone)
+    sb, _ = _scores_of(evictor, batched)
+    if not torch.allclose(sa, _scores_of(evictor, alone)[0], rtol=0, atol=0, equal_nan=True):
+        return False, ("the evictor's scores are not a function of its inputs and generators (two calls on the same "
+                       "tensors and generator states differ): draw random numbers from `generators[row]` only")
+    diff = torch.where(sa == sb, torch.zeros_like(sa), (sa - sb).abs()).nan_to_num(nan=float("inf"))
+    delta = float(diff[valid].max()) if valid.any() else 0.0
+
+    def kept(rec):
+        keep = rec["keep"][0]
+        return {(h, int(j)) for h in range(keep.shape[0]) for j in keep[h].tolist() if j >= 0}
+
+    only_a, only_b = kept(alone) - kept(batched), kept(batched) - kept(alone)
+    if not only_a or not only_b or delta == 0.0:
+        return False, (f"kept {sorted(only_a)} alone and {sorted(only_b)} batched from inputs whose scores differ by "
+                       f"{delta:.2e}: nothing but the batch explains it")
+    gap = max(float(sa[h, j]) for h, j in only_a) - min(float(sa[h, j]) for h, j in only_b)
+    if gap <= 2 * delta:
+        return True, ""
+    return False, (f"kept {sorted(only_a)} alone and {sorted(only_b)} batched, but the alone run ranks the former "
+                   f"{gap:.2e} above the latter, more than twice the scores' difference between the runs "
+                   f"(δ = {delta:.2e}): the batch changed the selection, not the forward's noise")
+
+
+def _same_until_explained(evictor, r: int, batch: _Recorded, alone: _Recorded) -> bool:
+    """Walk row r's tokens and compactions in order, batched vs alone. Returns True if they
+    all agree, False at the first difference the forward's batch noise explains (a near-tie
+    of the argmax or of the evictor's ranking); fails on any other difference."""
+    import torch
+
+    events_a = [(step, calls) for step, _, calls in alone.compactions]
+    events_b = [(step, calls, rows.index(r)) for step, rows, calls in batch.compactions if r in rows]
+    assert [e[0] for e in events_a] == [e[0] for e in events_b], (
+        f"row {r}: compactions after tokens {[e[0] for e in events_b]} batched but {[e[0] for e in events_a]} alone "
+        "(-1: the prefill)")
+    events = iter(zip(events_a, events_b))
+    pending = next(events, None)
+    for step in range(-1, len(alone.tokens[0])):
+        if step >= 0 and alone.tokens[0][step] != batch.tokens[r][step]:
+            if alone.gaps[step][0] <= ARGMAX_TIE:
+                return False  # a near-tied argmax flipped
+            raise AssertionError(f"row {r}: batched decoding differs from the row alone at token {step}, and no "
+                                 f"near-tie explains it (top-2 logit gap {alone.gaps[step][0]:.2e})")
+        while pending is not None and pending[0][0] == step:
+            (_, calls_a), (_, calls_b, pos) = pending
+            for rec_a, rec_b_all in zip(calls_a, calls_b):
+                rec_b = _row_record(rec_b_all, pos)
+                layer = rec_a["layer_idx"]
+                for k in ("lengths", "n_protected", "head_lengths"):
+                    a, b = rec_a.get(k), rec_b.get(k)
+                    assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), (
+                        f"row {r}, compaction after token {step}, layer {layer}: {k} differ batched and alone")
+                if torch.equal(rec_a["keep"], rec_b["keep"]):
+                    continue
+                ok, why = _explained(evictor, rec_a, rec_b)
+                assert ok, f"row {r}, compaction after token {step}, layer {layer}: {why}"
+                return False
+            pending = next(events, None)
+    return True
+
+
 def _evicting_backends() -> list[str]:
     """Registered backends besides `hf` whose engines run evicted proposers."""
     from kvflow.registry import get_registry
@@ -119,8 +291,9 @@ class EvictorContract(ComponentContract):
     #: decode steps per scenario: several compactions per row at the contract budget
     contract_steps: ClassVar[int] = 24
 
-    @pytest.fixture
-    def evictor_factory(self) -> Callable[..., Any]:
+    @pytest.fixture(scope="class")
+    @classmethod
+    def evictor_factory(cls) -> Callable[..., Any]:
         """Return a callable `factory(**params) -> Evictor`; params override the evictor's
         `Params` fields (budget, buffer, window, protect_prompt)."""
         raise NotImplementedError("override the evictor_factory fixture")
@@ -237,6 +410,44 @@ class EvictorContract(ComponentContract):
             assert torch.equal(alone, expected), (
                 f"tied scores must keep the earliest slots (besides the window); kept {alone[0, 0].tolist()}")
 
+    @pytest.mark.parametrize("arch", ["qwen2", "mha"])
+    def test_select_is_batch_independent(self, evictor_factory, arch):
+        """The same tensors give the same kept slots for a row alone as inside a batch,
+        exactly: rows of different lengths (padding after the shorter), protected prompts,
+        random keys with a repeated token's exact ties in one row. A row's scores may depend
+        on its own inputs and its own generator only (a stochastic method draws from
+        `generators[row]`, over the row's own length)."""
+        import torch
+
+        ev = self.make(evictor_factory)
+        self._needs_bounded(ev)
+        q_heads, kv_heads, d = _shapes(arch)
+        budget, n = ev.params.budget, ev.trigger
+        lengths = torch.tensor([n, n - 3, budget + 1, n])
+        rows = len(lengths)
+        g = torch.Generator().manual_seed(7)
+        keys, values = torch.randn(rows, kv_heads, n, d, generator=g), torch.randn(rows, kv_heads, n, d, generator=g)
+        keys[0, :, ::2], values[0, :, ::2] = keys[0, :, :1], values[0, :, :1]  # one token, every other slot: exact ties
+        queries = torch.randn(rows, q_heads, ev.query_window, d, generator=g) if ev.query_window else None
+        stats = torch.rand(rows, kv_heads, n, generator=g) if ev.observes_attention else None
+        if stats is not None:
+            stats[0, :, ::2] = stats[0, :, :1]
+        n_protected = torch.tensor([ev.n_protected(p) for p in (3, 0, 5, 1)])
+
+        def keep_of(r: slice):
+            gens = [torch.Generator().manual_seed(100 + i) for i in range(r.start, r.stop)]
+            return ev.select(keys[r], values[r], queries[r] if queries is not None else None, layer_idx=0,
+                             lengths=lengths[r], n_protected=n_protected[r], generators=gens,
+                             stats=stats[r] if stats is not None else None)
+
+        batched = keep_of(slice(0, rows))
+        for r in range(rows):
+            alone = keep_of(slice(r, r + 1))[0]
+            assert torch.equal(alone, batched[r]), (
+                f"row {r}: select() kept different slots for the row alone and inside a batch of {rows}, from the "
+                "same tensors: a row's scores must depend on its own keys, values, queries, statistics, length "
+                "and generator only (not on the other rows, the batch size, or the padded width's contents)")
+
     @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
     @pytest.mark.parametrize("protect", [False, True])
     @pytest.mark.parametrize("arch", ["qwen2", "llama", "mha"])
@@ -351,22 +562,41 @@ class EvictorContract(ComponentContract):
             torch.testing.assert_close(la.keys, lb.keys, rtol=0, atol=0)
 
     def test_batched_equals_alone(self, evictor_factory):
+        """Rows with different prompt lengths (so different compaction times and kept sets)
+        decoded in one batch give the same tokens, compactions and cache as each row decoded
+        alone, up to what the forward's own batch variance explains.
+
+        The float32 forward is not batch-invariant on a CPU: a row's keys differ by ~1e-7
+        between a batch and the row alone. Where the evictor's ranking at a compaction has a
+        gap smaller than that noise (scores that tie in exact arithmetic, such as the norms of
+        one token's RoPE-rotated keys), the two runs may keep different slots through no fault
+        of the evictor, and the row's later tokens and cache then differ. So at every
+        compaction the kept slots are compared: equal, the comparison goes on; different, the
+        evictor's own scores of the two runs' inputs are computed (`ranked_scores`), and the
+        difference is accepted only if it is a swap between slots whose scores are within the
+        two runs' score difference δ of each other (what a correct top-k of scores perturbed
+        by at most δ can do: the alone run ranks nothing that only it kept more than 2δ above
+        what only the batch kept); the row is then not compared further. Likewise a token
+        whose two most probable candidates are within `ARGMAX_TIE` ends the comparison.
+        Selection itself is checked for exact batch independence on identical inputs by
+        `test_select_is_batch_independent`."""
         import torch
 
         runner = _runner("llama", "float32")
         ev = self.make(evictor_factory)
-        batch_tokens, batch = decode(runner, ev, PROMPTS, self.contract_steps)
+        batch = _recorded_decode(runner, ev, PROMPTS, self.contract_steps, ROW_SEEDS)
         if ev.bounded:
-            assert len(set(batch.rows.compactions.tolist())) > 1
+            assert len(set(batch.cache.rows.compactions.tolist())) > 1
         for r, prompt in enumerate(PROMPTS):
-            alone_tokens, alone = decode(runner, ev, [prompt], self.contract_steps, seeds=[ROW_SEEDS[r]])
-            assert alone_tokens[0] == batch_tokens[r], f"row {r}: batched decoding differs from the row alone"
-            n = int(alone.rows.lengths[0])
-            assert int(batch.rows.lengths[r]) == n
-            assert int(batch.rows.compactions[r]) == int(alone.rows.compactions[0])
-            for i in range(len(batch.layers)):
-                kb, vb, nb = batch.resident(i, torch.tensor([r]))
-                ka, va, na = alone.resident(i, torch.tensor([0]))
+            alone = _recorded_decode(runner, ev, [prompt], self.contract_steps, [ROW_SEEDS[r]])
+            if not _same_until_explained(ev, r, batch, alone):
+                continue  # a near-tie the forward's noise flipped: the rest may differ
+            n = int(alone.cache.rows.lengths[0])
+            assert int(batch.cache.rows.lengths[r]) == n
+            assert int(batch.cache.rows.compactions[r]) == int(alone.cache.rows.compactions[0])
+            for i in range(len(batch.cache.layers)):
+                kb, vb, nb = batch.cache.resident(i, torch.tensor([r]))
+                ka, va, na = alone.cache.resident(i, torch.tensor([0]))
                 assert torch.equal(nb, na), f"row {r} layer {i}: per-head lengths differ batched and alone"
                 for h, m in enumerate(na[0].tolist()):
                     torch.testing.assert_close(kb[0, h, :m], ka[0, h, :m], rtol=1e-5, atol=1e-5)
