@@ -205,15 +205,29 @@ class ContextByIndexScorer(BatchScorer):
         return out
 
 
+class UndeclaredModelScorer(BatchScorer):
+    """Scores with a model it does not declare in `models_needed()`."""
+
+    def __init__(self, params, context):
+        super().__init__(params, context)
+        self.session = None
+
+    def score(self, requests):
+        if self.session is None:
+            self.session = self.context.load_session("tiny")
+        return [float(len(r.candidate.text)) for r in requests]
+
+
 @pytest.mark.parametrize("cls,test,message", [
     (ContextByIndexScorer, "test_candidate_problem_is_not_an_identity", "Candidate.problem 0 for every candidate"),
+    (UndeclaredModelScorer, "test_can_score_and_models_needed", r"loaded models.\['tiny'\] .* but models_needed"),
     (BatchScorer, "test_batch_and_order_do_not_matter", "alone vs in a batch"),
     (ShortScorer, "test_one_float_per_request", "5 scores for 6 requests"),
     (MutatingScorer, "test_requests_are_not_changed", "changed its requests"),
 ])
 def test_scorer_contract_catches(cls, test, message):
     factory = lambda context, **params: cls(ScorerParams(**params), context)  # noqa: E731
-    context = lambda: ScorerContext(load_session=None, proposers=["base", "helper"], seed=0)  # noqa: E731
+    context = lambda: ScorerContext(load_session=lambda key: object(), proposers=["base", "helper"], seed=0)  # noqa: E731
     with pytest.raises(AssertionError, match=message):
         getattr(ScorerContract(), test)(factory, context)
 

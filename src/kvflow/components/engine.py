@@ -86,11 +86,12 @@ report files that time under `model:<suffix>`.
 Candidates: `source` is the request's proposer, `index` 0..n-1, `problem` 0 (the caller knows
 a proposal's problem from its `tag`).
 
-Versions. Everything in this module, every member of `Engine` and the optional attributes
-named on it (`evicts`, `exact_entropy`, `settings()`, `kept_kv()`, `load(..., evicting=)`,
-`check_evictor()`) are part of the protocol as of kvflow 0.1. A member added later says
-"added in kvflow X.Y" here and stays optional for engines (the scheduler checks for it), so an
-engine written against 0.1 keeps working; see docs/plugins.md, "Versions".
+Versions. Everything in this module, every member of `Engine` with the optional ones named
+on it (`evicts`, `exact_entropy`, `settings()`, `kept_kv()`) and the backend's side (`check`,
+`load` and its `evicting` keyword, `check_evictor`) are part of the protocol as of kvflow 0.1.
+A member added later says "added in kvflow X.Y" here and stays optional for engines (the
+scheduler checks for it), so an engine written against 0.1 keeps working; see
+docs/plugins.md, "Versions".
 """
 
 from __future__ import annotations

@@ -33,8 +33,9 @@ with `tiny` pointing at that model saved as a transformers directory. What is ch
 - identity: a candidate's problem is its request's trajectory (`problem_id`), not
   `Candidate.problem`, which engines leave 0: the scores do not change when every candidate
   says problem 0 (two problems at the same depth included);
-- requests are not changed; `can_score()` answers a bool for each proposer and
-  `models_needed()` names only keys of `models`;
+- requests are not changed; `can_score()` answers a bool for each proposer,
+  `models_needed()` names only keys of `models`, and every model the scorer loads through
+  `context.load_session` is one it declares there;
 - the checks of `kvflow.testing.component_contract` (frozen, described Params; docstrings).
 """
 
@@ -220,9 +221,16 @@ class ScorerContract(ComponentContract):
                           "candidate's problem is ScoreRequest.trajectory.problem_id")
 
     def test_can_score_and_models_needed(self, scorer_factory, scorer_context):
-        scorer = self.make(scorer_factory, scorer_context)
+        context, loaded = scorer_context(), []
+        load = context.load_session
+        context.load_session = lambda key: (loaded.append(key), load(key))[1]
+        scorer = scorer_factory(context, **self.contract_params)
         for p in PROPOSERS:
             assert isinstance(scorer.can_score(p), bool), "can_score() must return a bool"
         needed = type(scorer).models_needed(scorer.params)
         assert isinstance(needed, list) and all(isinstance(k, str) for k in needed)
         assert set(needed) <= {MODEL_KEY}, f"models_needed() names {needed}; the pipeline only has {MODEL_KEY}"
+        self.scores(scorer, requests())
+        assert set(loaded) <= set(needed), (
+            f"the scorer loaded models.{sorted(set(loaded) - set(needed))} through context.load_session but "
+            f"models_needed() names {needed}: kvflow checks and loads only the models a scorer declares")
