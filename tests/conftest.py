@@ -158,3 +158,29 @@ def pytest_configure(config):
     import torch
 
     torch.set_num_threads(1)
+
+
+def require_ray() -> None:
+    """Skip a test that needs Ray where it is not installed, except in CI (`CI` set), where
+    `make test` installs it (the `ray` extra) and a skipped Ray test would hide a broken install."""
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        why = "Ray is not installed (pip install 'kvflow[ray]', or scripts/install.sh ray)"
+        if os.environ.get("CI"):
+            pytest.fail(f"CI runs the Ray tests, but: {why}")
+        pytest.skip(why)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster for the test session (2 CPUs), joined by every in-process
+    `executor: ray` run; yields its address, for `kvflow run` subprocesses (RAY_ADDRESS)."""
+    require_ray()
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()

@@ -285,6 +285,10 @@ def run(
         help="Run a grid: one run (and results directory) per point of the cross product of all --sweep "
              "options, e.g. --sweep proposers.base.evictor.budget=64,128,256. All points are validated "
              "first; complete points are skipped."),
+    ray_address: Optional[str] = typer.Option(
+        None, "--ray-address", metavar="HOST:PORT",
+        help="The Ray cluster for run.executor: ray (default: RAY_ADDRESS, else a local cluster started for the "
+             "run); `auto` finds one started on this machine with `ray start`."),
 ) -> None:
     """Run a pipeline over its dataset and write a results directory.
 
@@ -299,14 +303,19 @@ def run(
     writes to a new directory. With `--sweep`, every point of the grid is validated before
     any runs, then each runs in turn into its own results directory, and complete points are
     skipped, so an interrupted sweep resumes too.
+
+    With `run.executor: ray` the problems are decoded by kvflow workers on a Ray cluster
+    (`--ray-address`, else RAY_ADDRESS, else a local one), each with its own engines, and
+    this process writes the same results directory; the points of a sweep share the workers.
     \f
     What a results directory holds: [Results](results.md). Grids and ablations:
-    [Compose an ablation and a sweep](tutorials/ablation-and-sweep.md).
+    [Compose an ablation and a sweep](tutorials/ablation-and-sweep.md). Ray: [Clusters](cluster.md).
 
     ```sh
     kvflow run pipelines/quickstart.yaml
     kvflow run pipelines/quickstart.yaml --set proposers.base.evictor.budget=128
     kvflow run pipelines/quickstart.yaml --sweep proposers.base.evictor.budget=64,128
+    kvflow run pipelines/quickstart.yaml --set run.executor=ray --set run.workers=2
     ```
     """
     from kvflow.config.validate import load_pipeline
@@ -316,12 +325,13 @@ def run(
         if sweep:
             from kvflow.sweep import run_sweep
 
-            code = run_sweep(file, sweep, sets=set_ or (), unsets=unset or (), force=force, registry=_registry())
+            code = run_sweep(file, sweep, sets=set_ or (), unsets=unset or (), force=force, registry=_registry(),
+                             ray_address=ray_address)
             raise typer.Exit(code)
         loaded = load_pipeline(file, sets=set_ or (), unsets=unset or (), registry=_registry())
         from kvflow.runtime.runner import run_pipeline  # heavy (torch, transformers): only here
 
-        code = int(run_pipeline(loaded, force=force) or 0)
+        code = int(run_pipeline(loaded, force=force, **({"ray_address": ray_address} if ray_address else {})) or 0)
     raise typer.Exit(code)
 
 

@@ -160,8 +160,10 @@ def load_points(file, axes: Sequence[Axis], sets: Sequence[str] = (), unsets: Se
 
 
 def run_sweep(file, sweeps: Sequence[str], *, sets: Sequence[str] = (), unsets: Sequence[str] = (),
-              force: bool = False, registry=None, say: Optional[Callable[[str], None]] = None) -> int:
-    """Validate all points, then run each (skipping complete ones). Returns the worst exit code."""
+              force: bool = False, registry=None, say: Optional[Callable[[str], None]] = None,
+              ray_address: Optional[str] = None) -> int:
+    """Validate all points, then run each (skipping complete ones). Returns the worst exit code.
+    With `run.executor: ray` the points share one pool of Ray workers (`_run_on_ray`)."""
     from kvflow.runtime import runner
 
     say = say or (lambda m: print(f"kvflow: {m}", file=sys.stderr, flush=True))
@@ -169,6 +171,8 @@ def run_sweep(file, sweeps: Sequence[str], *, sets: Sequence[str] = (), unsets: 
     points = load_points(file, axes, sets, unsets, registry)
     total = len(points)
     say(f"sweep: {total} point(s) over {', '.join(a.path for a in axes)}")
+    if ray_address or any(p.loaded.pipeline.run.executor == "ray" for p in points):
+        return _run_on_ray(points, force=force, registry=registry, say=say, ray_address=ray_address)
     code = 0
     rows = []
     with Progress(total, title="sweep") as bar:
@@ -187,6 +191,32 @@ def run_sweep(file, sweeps: Sequence[str], *, sets: Sequence[str] = (), unsets: 
             bar.update(i, point.label)
     _print_summary(rows)
     return code
+
+
+def _run_on_ray(points: list[Point], *, force: bool, registry, say, ray_address: Optional[str]) -> int:
+    """Every point that is not complete runs at once on one pool of Ray workers
+    (kvflow.runtime.ray_executor): a worker whose point has no problems left takes another's."""
+    from kvflow.runtime import ray_executor, runner
+
+    executors = {p.loaded.pipeline.run.executor for p in points}
+    if executors != {"ray"}:
+        first = points[0].loaded
+        raise UserError(first.problem("run.executor", "--ray-address is given, but the run's executor is local"
+                                      if executors == {"local"} else "the points of a sweep run on one executor",
+                                      "set run.executor=ray for all of them (docs/cluster.md)"))
+    ray_executor.check(points[0].loaded, ray_address)  # before anything is written
+    total = len(points)
+    todo = []
+    for i, point in enumerate(points, 1):
+        if not force and _complete(point.loaded):
+            say(f"sweep [{i}/{total}] {point.label}: skipped (complete) {runner.results_path(point.loaded)}")
+        else:
+            todo.append((i, point))
+    status = ray_executor.run_sweep_points(todo, total, force=force, registry=registry, flag=ray_address,
+                                           say=say) if todo else {}
+    rows = [(p, runner.results_path(p.loaded), status.get(p.index, "skipped (complete)")) for p in points]
+    _print_summary(rows)
+    return 0 if all(s in ("done", "skipped (complete)") for _, _, s in rows) else 1
 
 
 def _complete(loaded) -> bool:

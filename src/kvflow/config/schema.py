@@ -117,6 +117,18 @@ class RunConfig(Frozen):
         "batch-variant at the last bit: docs/concepts.md).")
     baselines: Optional[BaselinesConfig] = Field(
         None, description="Results directories whose metrics.json give recovery = (acc - acc_evicted) / (acc_full - acc_evicted).")
+    # where the problems are decoded (docs/cluster.md): not part of the run's hash, so a run
+    # started on one executor resumes on the other
+    executor: Literal["local", "ray"] = Field(
+        "local", description="Where problems are decoded: `local` (this process) or `ray` (kvflow workers on a Ray "
+        "cluster, each with its own engines; the cluster from `--ray-address` or RAY_ADDRESS, else a local one). The "
+        "results directory is the same either way (docs/cluster.md).")
+    workers: Optional[int] = Field(
+        None, ge=1, description="Ray workers (`executor: ray`); unset: as many as the cluster's GPUs hold at "
+        "`worker_gpus` each (without GPUs: its CPUs at `threads` or 1 each), at most one per problem.")
+    worker_gpus: Optional[int] = Field(
+        None, ge=0, description="GPUs per Ray worker (`executor: ray`); unset: one per GPU the pipeline's engines "
+        "occupy (each distinct model entry 1, SGLang tp_size x dp_size x pp_size), 0 on a cluster without GPUs.")
 
 
 class Pipeline(Frozen):

@@ -81,9 +81,9 @@ class LoadedPipeline:
 #: settings that say how many of the dataset's problems to run, how they are scheduled and
 #: where results go, not what any problem's result is: they are left out of the hash that
 #: names a results directory, so a larger `dataset.limit` (same seeded order) grows the same
-#: run and a different batch size resumes it
+#: run, a different batch size resumes it, and so does another executor (local or Ray workers)
 NOT_HASHED = (("dataset", "limit"), ("run", "batch_problems"), ("run", "live_problems"), ("run", "threads"),
-              ("run", "output"))
+              ("run", "output"), ("run", "executor"), ("run", "workers"), ("run", "worker_gpus"))
 
 
 def config_hash(resolved: dict) -> str:

@@ -96,11 +96,23 @@ def _check_done_in_dataset(loaded: LoadedPipeline, store: ResultsDir, done: list
                                        f"dataset: {strays[:3]}", "rerun with --force")])
 
 
-def run_pipeline(loaded: LoadedPipeline, *, force: bool = False, registry=None, quiet: bool = False) -> int:
+def run_pipeline(loaded: LoadedPipeline, *, force: bool = False, registry=None, quiet: bool = False,
+                 decode=None, ray_address: Optional[str] = None) -> int:
+    """`decode(loaded, registry, store, todo, quiet)` decodes the problems to do into the
+    results directory: by default this process's engines (`_decode`), or with `run.executor:
+    ray` kvflow workers on a Ray cluster (`ray_address`, else RAY_ADDRESS, else a local one)."""
     from kvflow.registry import get_registry
 
     registry = registry or get_registry()
     pipe = loaded.pipeline
+    if decode is None and pipe.run.executor == "ray":  # kvflow.runtime.ray_executor; checked before anything is written
+        from kvflow.runtime import ray_executor
+
+        ray_executor.check(loaded, ray_address)
+        decode = ray_executor.decoder(ray_address)
+    elif ray_address and pipe.run.executor != "ray":
+        raise UserError(loaded.problem("run.executor", "--ray-address is given, but the run's executor is local",
+                                       "add --set run.executor=ray (docs/cluster.md)"))
     # everything that can be checked is checked before a results directory exists or a model
     # loads: the output path, the models' files, the dataset, a previous run's directory
     check_output(loaded)
@@ -136,7 +148,7 @@ def run_pipeline(loaded: LoadedPipeline, *, force: bool = False, registry=None, 
     if done:
         _say(quiet, f"resuming {store.path}: {len(done)} done, {len(todo)} to go")
     if todo:
-        _decode(loaded, registry, store, todo, quiet)
+        (decode or _decode)(loaded, registry, store, todo, quiet)
     else:
         store.prepare(loaded.resolved, _manifest(loaded, registry))
     records = store.load()

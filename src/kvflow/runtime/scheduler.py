@@ -95,8 +95,11 @@ def run(plan: Plan, trajectories: Iterable[Trajectory], on_done: Callable[[Traje
         timings: Optional[dict[str, dict]] = None, occupancy: Optional[Occupancy] = None,
         on_tick: Optional[Callable[[int], None]] = None) -> None:
     """Decode every trajectory to its end, handing each to `on_done` as it finishes (problems
-    finish in any order). `trajectories` is consumed lazily, as room frees up. `on_tick(live)`
-    is called after every decode step with the number of problems in flight (for progress)."""
+    finish in any order). `trajectories` is consumed lazily, as room frees up; a source fed
+    from elsewhere (a Ray worker's, `kvflow.runtime.ray_executor`) may yield None for "nothing
+    ready yet": the problems in flight decode on and it is asked again after the next step.
+    `on_tick(live)` is called after every decode step with the number of problems in flight
+    (for progress)."""
     clock = PhaseClock() if timings is not None else NULL_CLOCK
     occupancy = occupancy if occupancy is not None else Occupancy()
     names = {id(e): "+".join(p.name for p in plan.proposers if p.engine is e) for e in plan.engines()}
@@ -111,6 +114,8 @@ def run(plan: Plan, trajectories: Iterable[Trajectory], on_done: Callable[[Traje
         if not exhausted and len(live) < max_live:
             admitted = []
             for traj in source:
+                if traj is None:  # nothing ready yet: decode on, ask again after the next step
+                    break
                 admitted.append(_Problem(traj, clock))
                 if len(live) + len(admitted) >= max_live:
                     break
@@ -120,7 +125,9 @@ def run(plan: Plan, trajectories: Iterable[Trajectory], on_done: Callable[[Traje
                 _start(plan, admitted, clock)
                 live += admitted
         if not live:
-            return
+            if exhausted:
+                return
+            continue
         for engine in plan.engines():
             if not engine.busy_rows():
                 continue
