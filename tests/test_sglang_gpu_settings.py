@@ -24,23 +24,30 @@ def _kwargs(model_dir, evicting: bool, **engine) -> dict:
     return engine_kwargs(cfg, evicting)
 
 
+#: the (gpu, evicting, plain, engine settings) cases the tests below read, resolved in one process
+CASES = [("h100", False, True, {}), ("h100", False, False, {}), ("h100", True, False, {}),
+         ("b200", True, False, {}), ("b200", False, False, {}), ("b200", True, False, {"attention_backend": "flashinfer"}),
+         ("h100", True, False, {"kv_cache_dtype": "fp8_e4m3"})]
+
+
 @pytest.fixture(scope="module")
 def resolved_on(shared_tiny_qwen):
     """resolved_on(gpu, evicting, plain=False, **engine): SGLang's resolution of kvflow's
-    engine arguments (or, plain=True, of the model alone, as SGLang would run it) on a GPU."""
+    engine arguments (or, plain=True, of the model alone, as SGLang would run it) on a GPU;
+    every case of CASES resolved at once (SGLang's import is most of the time)."""
     require_sglang()
-    from kvflow.testing.gpu_standin import resolve
+    from kvflow.testing.gpu_standin import resolve_many
 
-    cache: dict = {}
+    def kwargs(evicting: bool, plain: bool, engine: dict) -> dict:
+        full = _kwargs(shared_tiny_qwen, evicting, **engine)
+        return {k: full[k] for k in ("model_path", "dtype", "device")} | engine if plain else full
+
+    resolved = resolve_many([(kwargs(ev, plain, engine), gpu) for gpu, ev, plain, engine in CASES])
+    table = {(gpu, ev, plain, json.dumps(engine, sort_keys=True)): r
+             for (gpu, ev, plain, engine), r in zip(CASES, resolved)}
 
     def get(gpu: str, evicting: bool = False, plain: bool = False, **engine):
-        key = (gpu, evicting, plain, json.dumps(engine, sort_keys=True))
-        if key not in cache:
-            kwargs = _kwargs(shared_tiny_qwen, evicting, **engine)
-            if plain:
-                kwargs = {k: kwargs[k] for k in ("model_path", "dtype", "device")} | engine
-            cache[key] = resolve(kwargs, gpu)
-        return cache[key]
+        return table[(gpu, evicting, plain, json.dumps(engine, sort_keys=True))]
 
     return get
 
@@ -148,9 +155,11 @@ def test_a_decode_token_the_hooks_missed_stops_the_engine_and_the_rerun_resumes(
     results directory keeps what finished, and the rerun (hooks running) resumes to the same
     trajectories as a run that never failed."""
     require_sglang()
-    engine = {"max_total_tokens": 60000}  # an engine of its own: the fault must not reach the session's
-    reference = _evicted_on_sglang(tmp_path / "reference", shared_tiny_qwen, **engine)
+    # the reference on the session's engine; the faulty run on an engine of its own (a pool size
+    # that changes no token), so that the fault reaches no other test
+    reference = _evicted_on_sglang(tmp_path / "reference", shared_tiny_qwen)
     assert cli("run", reference).exit_code == 0
+    engine = {"max_total_tokens": 60000}
     (ref_dir,) = (tmp_path / "reference" / "results").iterdir()
 
     from kvflow.backends.sglang.client import _SHARED

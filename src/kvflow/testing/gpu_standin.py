@@ -8,9 +8,9 @@ platform stand-in (`sglang.srt.runtime_context.override_platform`), so that test
 the settings a user's GPU would get -- e.g. `sampling_backend: flashinfer` on a Hopper, which
 refuses kvflow's per-request seeds, or `trtllm_mha` with `page_size` 64 on a Blackwell.
 
-    python -m kvflow.testing.gpu_standin h100 '<engine kwargs as JSON>'   # prints the resolved JSON
+    python -m kvflow.testing.gpu_standin '[[<engine kwargs>, "h100"], ...]'   # prints the resolved list
 
-Run it in a process of its own (`resolve()` does): SGLang chooses its platform class once per
+Run it in a process of its own (`resolve()` and `resolve_many()` do): SGLang chooses its platform class once per
 process at import, and kvflow's CPU platform (plugins/kvflow-sglang-cpu) must stay out of it
 (`KVFLOW_SGLANG_CPU=0`), as it is on a machine with a GPU.
 """
@@ -39,28 +39,36 @@ PLATFORMS = {
 def resolve(engine_kwargs: dict, gpu: str, timeout: float = 300) -> dict:
     """SGLang's resolved server arguments for `engine_kwargs` (what kvflow passes to
     `sglang.Engine`) on a GPU of kind `gpu` (a key of PLATFORMS), plain values only."""
-    if gpu not in PLATFORMS:
-        raise ValueError(f"unknown GPU stand-in {gpu!r}; known: {', '.join(PLATFORMS)}")
+    return resolve_many([(engine_kwargs, gpu)], timeout)[0]
+
+
+def resolve_many(cases: list[tuple[dict, str]], timeout: float = 300) -> list[dict]:
+    """`resolve` for several (engine kwargs, gpu) cases in one process (SGLang imports once)."""
+    for _, gpu in cases:
+        if gpu not in PLATFORMS:
+            raise ValueError(f"unknown GPU stand-in {gpu!r}; known: {', '.join(PLATFORMS)}")
     env = {**os.environ, "KVFLOW_SGLANG_CPU": "0"}
-    out = subprocess.run([sys.executable, "-m", __name__, gpu, json.dumps(engine_kwargs)], capture_output=True,
-                         text=True, env=env, timeout=timeout)
+    out = subprocess.run([sys.executable, "-m", __name__, json.dumps([[k, g] for k, g in cases])],
+                         capture_output=True, text=True, env=env, timeout=timeout)
     if out.returncode != 0:
-        raise RuntimeError(f"SGLang's resolution for {gpu} failed:\n{out.stderr[-3000:]}")
+        raise RuntimeError(f"SGLang's resolution on a GPU stand-in failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _main(gpu: str, kwargs_json: str) -> None:
+def _main(cases_json: str) -> None:
     from sglang.srt.runtime_context import override_platform
     from sglang.srt.server_args import ServerArgs
 
     from kvflow.backends.sglang.worker import resolved_settings
 
-    with override_platform(**PLATFORMS[gpu]):
-        args = ServerArgs(**json.loads(kwargs_json))
-        args.resolve_once()
-        resolved = resolved_settings(args)
+    resolved = []
+    for kwargs, gpu in json.loads(cases_json):
+        with override_platform(**PLATFORMS[gpu]):
+            args = ServerArgs(**kwargs)
+            args.resolve_once()
+            resolved.append(resolved_settings(args))
     print(json.dumps(resolved))
 
 
 if __name__ == "__main__":
-    _main(sys.argv[1], sys.argv[2])
+    _main(sys.argv[1])
