@@ -113,7 +113,7 @@ def build_plan(loaded: LoadedPipeline, registry, on_load: Callable[[str], None] 
     from kvflow.components.engine import SamplingSpec
     from kvflow.runtime.scheduler import Plan, Proposer
 
-    loaded, _ = place_models(loaded, gpus)  # before any engine starts: refuses what cannot fit
+    loaded, placement = place_models(loaded, gpus)  # before any engine starts: refuses what cannot fit
     loaded = deterministic_engines(loaded)
     pipe = loaded.pipeline
     engines: dict[str, object] = {}
@@ -156,8 +156,18 @@ def build_plan(loaded: LoadedPipeline, registry, on_load: Callable[[str], None] 
     scorer = loaded.components.scorer.cls(loaded.components.scorer.params, context)
     committer = loaded.components.committer.cls(loaded.components.committer.params, list(pipe.proposers))
     plan = Plan(proposers, scorer, committer, pipe.limits, pipe.run.seed, batch_problems=pipe.run.batch_problems,
-                live_problems=pipe.run.live_problems)
+                live_problems=pipe.run.live_problems, record_candidates=pipe.run.record_candidates,
+                placement=placement)
     return plan, engines
+
+
+def engine_facts(plan, engines: dict) -> dict:
+    """What `manifest.json` records of a run's loaded engines: the base's device, each
+    proposer's KV memory, each model's backend and resolved settings, the GPU placement."""
+    return {"device": plan.proposers[0].engine.device, "kv_memory": kv_memory(plan),
+            "engines": {k: e.backend for k, e in engines.items()},
+            "engine_settings": {k: e.settings() for k, e in engines.items() if hasattr(e, "settings")},
+            "placement": plan.placement.to_dict() if plan.placement else None}
 
 
 def deterministic_engines(loaded: LoadedPipeline) -> LoadedPipeline:

@@ -236,27 +236,16 @@ class KvflowWorker:
         from kvflow.eval.prompts import render_prompt
         from kvflow.registry import get_registry
         from kvflow.runtime import compile as compile_
-        from kvflow.runtime.runner import _record
+        from kvflow.runtime.runner import _record, torch_run_settings
         from kvflow.runtime.scheduler import Occupancy, run
 
         pipe = loaded.pipeline
-        threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
-        if pipe.run.threads:  # as runner._decode
-            torch.set_num_threads(pipe.run.threads)
-        if pipe.run.deterministic:
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            torch.use_deterministic_algorithms(True)
-        try:
+        with torch_run_settings(pipe.run):
             torch.manual_seed(pipe.run.seed)
             plan, engines = compile_.build_plan(loaded, get_registry())
-            plan.record_candidates = getattr(pipe.run, "record_candidates", False)  # as runner._decode_with
             base = plan.proposers[0].engine
-            placement = compile_.place_models(loaded)[1]
-            self.outbox.put(("opened", key, {
-                "device": base.device, "threads": torch.get_num_threads(), "kv_memory": compile_.kv_memory(plan),
-                "engines": {k: e.backend for k, e in engines.items()},
-                "engine_settings": {k: e.settings() for k, e in engines.items() if hasattr(e, "settings")},
-                "placement": placement.to_dict() if placement else None}))
+            self.outbox.put(("opened", key, {"threads": torch.get_num_threads(),
+                                             **compile_.engine_facts(plan, engines)}))
             occupancy, timings = Occupancy(), {}
             started: dict[str, float] = {}
             problems: dict[str, Any] = {}
@@ -299,9 +288,6 @@ class KvflowWorker:
                 run(plan, source(), on_done, timings=timings, occupancy=occupancy)
             stats = {e.label: e.stats() for e in plan.engines() if callable(getattr(e, "stats", None))}
             self.outbox.put(("closed", key, {"occupancy": occupancy.summary(), "engine_stats": stats}))
-        finally:
-            torch.set_num_threads(threads)
-            torch.use_deterministic_algorithms(deterministic)
 
 
 # --------------------------------------------------------------------------- the driver

@@ -162,20 +162,28 @@ def run_pipeline(loaded: LoadedPipeline, *, force: bool = False, registry=None, 
 
 
 def _decode(loaded: LoadedPipeline, registry, store: ResultsDir, todo, quiet: bool) -> None:
+    with torch_run_settings(loaded.pipeline.run):
+        _decode_with(loaded, registry, store, todo, quiet)
+
+
+@contextmanager
+def torch_run_settings(run):
+    """torch's process settings a run asks for (`run.threads`, `run.deterministic`: on hf,
+    deterministic kernels; cuBLAS needs its workspace setting for them), restored after it so
+    that in-process callers (tests, notebooks, a Ray worker's next job) keep theirs."""
     import torch
 
-    pipe = loaded.pipeline
     threads = torch.get_num_threads()
     deterministic = torch.are_deterministic_algorithms_enabled()
-    if pipe.run.threads:
-        torch.set_num_threads(pipe.run.threads)
-    if pipe.run.deterministic:  # hf: deterministic kernels (cuBLAS needs its workspace setting for it)
+    if run.threads:
+        torch.set_num_threads(run.threads)
+    if run.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     try:
-        _decode_with(loaded, registry, store, todo, quiet)
+        yield
     finally:
-        torch.set_num_threads(threads)  # in-process callers (tests, notebooks) keep their settings
+        torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(deterministic)
 
 
@@ -194,14 +202,9 @@ def _decode_with(loaded: LoadedPipeline, registry, store: ResultsDir, todo, quie
     plan, engines = compile_.build_plan(loaded, registry, on_load=lambda key: _say(
         quiet, f"loading models.{key}: {pipe.models[key].id}"))
     base = plan.proposers[0].engine
-    plan.record_candidates = pipe.run.record_candidates  # for _record's `all_candidates`
     # the results directory is created only now that every model has loaded
     store.prepare(loaded.resolved, _manifest(loaded, registry))
-    placement = compile_.place_models(loaded)[1]  # as build_plan placed them (the rule is deterministic)
-    store.update_manifest(device=base.device, threads=torch.get_num_threads(), kv_memory=compile_.kv_memory(plan),
-                          engines={k: e.backend for k, e in engines.items()},
-                          engine_settings={k: e.settings() for k, e in engines.items() if hasattr(e, "settings")},
-                          placement=placement.to_dict() if placement else None)
+    store.update_manifest(threads=torch.get_num_threads(), **compile_.engine_facts(plan, engines))
     by_id = {p.id: p for p in todo}
     occupancy = Occupancy()
     with Grader(timeout=pipe.run.grade_timeout) as grader, Progress(len(todo), enabled=not quiet) as progress:

@@ -57,6 +57,7 @@ class Plan:
     batch_problems: int = 16  # decode room per engine, in problems
     live_problems: Optional[int] = None  # problems in flight; None = 2 x batch_problems
     record_candidates: bool = False  # keep every candidate of every step on the trajectory (run.record_candidates)
+    placement: Optional[object] = None  # kvflow.placement.Placement of the models on GPUs (None: no GPU)
 
     def engines(self) -> list[Engine]:
         return list({id(p.engine): p.engine for p in self.proposers}.values())

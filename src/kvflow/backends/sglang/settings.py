@@ -85,6 +85,9 @@ REFUSED = (
 #: layer) and that run through `AttentionBackend.forward` (where kvflow observes attention)
 EVICTING_ATTENTION = ("torch_native", "triton", "flashinfer", "fa3")
 
+_HYBRID = ("separate prefill and decode backends run through SGLang's hybrid backend, which bypasses the hook "
+           "kvflow observes attention with")
+
 #: ... and on an engine that serves evicted proposers (the hooks of `evict.py`)
 REFUSED_EVICTING = (
     ("disable_cuda_graph", lambda v: v is False,
@@ -101,12 +104,8 @@ REFUSED_EVICTING = (
      "kvflow's hooks read keys and values from SGLang's one-token-per-slot MHA pool and run inside "
      "`AttentionBackend.forward`; tested with torch_native, read for triton, flashinfer and fa3 "
      "(set one of those)"),
-    ("prefill_attention_backend", lambda v: v is not None,
-     "separate prefill and decode backends run through SGLang's hybrid backend, which bypasses the hook kvflow "
-     "observes attention with"),
-    ("decode_attention_backend", lambda v: v is not None,
-     "separate prefill and decode backends run through SGLang's hybrid backend, which bypasses the hook kvflow "
-     "observes attention with"),
+    ("prefill_attention_backend", lambda v: v is not None, _HYBRID),
+    ("decode_attention_backend", lambda v: v is not None, _HYBRID),
     ("kv_cache_dtype", lambda v: v not in (None, "auto"),
      "a quantized KV pool (fp8, fp4) holds raw bytes and scales, which kvflow's compaction would read as values; "
      "use the model's dtype (`auto`)"),

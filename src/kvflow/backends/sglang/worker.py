@@ -191,10 +191,7 @@ def main() -> int:
     except BaseException as exc:  # noqa: BLE001 - the client shows it, naming the model entry
         write_frame(out, ("error", None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"))
         return 1
-    args = engine.server_args
-    write_frame(out, ("ready", {"version": sglang.__version__, "max_total_tokens": getattr(args, "max_total_tokens", None),
-                                "context_length": getattr(args, "context_length", None),
-                                "server_args": resolved_settings(args)}))
+    write_frame(out, ("ready", {"version": sglang.__version__, "server_args": resolved_settings(engine.server_args)}))
     worker = _Worker(engine, out)
     inbox: asyncio.Queue = asyncio.Queue()
     threading.Thread(target=_read_requests, args=(inp, worker.loop, inbox), daemon=True).start()
