@@ -147,3 +147,24 @@ def test_a_forward_that_names_no_cache_is_refused():
     model.model = NoCacheModel(model.config)
     with pytest.raises(UserError, match="takes its KV cache under neither 'cache' nor 'past_key_values'"):
         HFRunner(model, tiny_tokenizer())
+
+
+def test_run_and_explain_print_the_versions_in_use(tmp_path, cli):
+    """`kvflow run` and `kvflow explain` say which torch, transformers and SGLang they run on,
+    and the manifest records the same versions."""
+    import json
+
+    from kvflow.testing import tiny_pipeline
+
+    torch_version = importlib.metadata.version("torch")
+    transformers_version = importlib.metadata.version("transformers")
+    path = tiny_pipeline(tmp_path, problems=1)
+    explained = cli("explain", path)
+    assert explained.exit_code == 0, explained.output
+    assert f"torch {torch_version}, transformers {transformers_version}" in explained.output
+    ran = cli("run", path)
+    assert ran.exit_code == 0, ran.output
+    assert f"versions: torch {torch_version}, transformers {transformers_version}" in ran.output
+    (run_dir,) = (tmp_path / "results").iterdir()
+    versions = json.loads((run_dir / "manifest.json").read_text())["versions"]
+    assert (versions["torch"], versions["transformers"]) == (torch_version, transformers_version)
