@@ -16,8 +16,13 @@ empty steps dropped) joined with a blank line, or "(no steps yet)"; `step` is th
 candidate, or "(the solution ends here)" when it is empty (e.g. an EOS step). The score is
 P("Yes") / (P("Yes") + P("No")) from the logits at the answer position (the first token the
 judge would generate), where "Yes" and "No" are the first tokens of those words encoded alone.
-All requests of a round run in one batched forward (right padding, chunks of at most
-`batch_tokens` padded tokens). The judge rates the newest step only (there is no `aggregate`).
+The judge rates the newest step only (there is no `aggregate`).
+
+Runs on `hf` and `sglang`. With `prefix_reuse` (the default) only new tokens run: on `hf` each
+problem keeps its prompts' shared prefix cached between rounds (`PrefixForward`), on `sglang`
+the engine's radix cache holds it and the label log-probabilities at the answer slot come back
+with the request (`PositionValues`). Without it (`hf` only), every prompt is re-encoded in
+batched forwards (right padding, chunks of at most `batch_tokens` padded tokens).
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ ANSWERS = ("Yes", "No")
 class JudgeParams(StepScorerParams):
     model: str = Field(..., description="Key of `models` holding the judge (an instruct model).")
     batch_tokens: int = Field(16384, ge=1, description="Most padded tokens per judge forward.")
+    prefix_reuse: bool = Field(
+        True, description="Run only the tokens not seen before (each problem's shared prompt prefix is kept "
+                          "between rounds). Off: every prompt is re-encoded (hf only).")
 
 
 def judge_messages(question: str, previous: list[str], step: str) -> list[dict]:
@@ -52,8 +60,8 @@ class LLMJudgeScorer(StepScorer):
 
     Params = JudgeParams
 
-    #: the judge reads two label logits through transformers (PositionForward)
-    backends = ("hf",)
+    #: hf: two label logits through transformers; sglang: their log-probabilities from the engine
+    backends = ("hf",)  # sglang: next commit
 
     @classmethod
     def models_needed(cls, params):
@@ -61,20 +69,29 @@ class LLMJudgeScorer(StepScorer):
 
     def __init__(self, params, context) -> None:
         super().__init__(params, context)
-        import torch
-
-        from kvflow.backends.hf.scoring import PositionForward
         from kvflow.errors import UserError
 
-        runner = context.load_session(params.model).runner
-        self.tokenizer = runner.tokenizer
+        session = context.load_session(params.model)
+        on_sglang = getattr(session, "engine", None) is not None and getattr(session.engine, "backend", "") == "sglang"
+        self.tokenizer = session.engine.tokenizer if on_sglang else session.runner.tokenizer
         self.answer_ids = [self.tokenizer(a, add_special_tokens=False)["input_ids"][0] for a in ANSWERS]
         if self.answer_ids[0] == self.answer_ids[1]:
             raise UserError(f"llm_judge: 'Yes' and 'No' start with the same token for models.{params.model}")
-        labels = torch.as_tensor(self.answer_ids, device=runner.device)
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self.forward = PositionForward(runner.body, lambda h: runner.lm_head(h)[:, labels], pad_id=pad,
-                                       batch_tokens=params.batch_tokens)
+        if on_sglang:
+            from kvflow.backends.sglang.scoring import PositionValues
+
+            self.forward = PositionValues(session.engine, labels=self.answer_ids)
+            return
+        from kvflow.backends.hf.scoring import PositionForward, PrefixForward, label_head
+
+        runner = session.runner
+        head = label_head(runner.lm_head, self.answer_ids)
+        if params.prefix_reuse:
+            self.forward = PrefixForward(runner.body, head, batch_tokens=params.batch_tokens)
+        else:
+            pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+            plain = PositionForward(runner.body, head, pad_id=pad, batch_tokens=params.batch_tokens)
+            self.forward = lambda keys, ids, positions: plain(ids, positions)
 
     def prompt_ids(self, request) -> list[int]:
         delim = self.context.delimiter
@@ -89,5 +106,10 @@ class LLMJudgeScorer(StepScorer):
         import torch
 
         ids = [self.prompt_ids(r) for r in requests]
-        logits = self.forward(ids, [[len(x) - 1] for x in ids])
+        logits = self.forward([r.trajectory.problem_id for r in requests], ids, [[len(x) - 1] for x in ids])
         return [float(torch.softmax(lg[0], dim=-1)[0]) for lg in logits]
+
+    def release(self, problem_ids):
+        release = getattr(self.forward, "release", None)
+        if release is not None:
+            release(problem_ids)

@@ -50,6 +50,9 @@ class PRMParams(StepScorerParams):
     protocol: Literal["qwen25-math-prm", "math-shepherd"] = Field(
         "qwen25-math-prm", description="How steps are tagged and read (see the module docstring).")
     batch_tokens: int = Field(16384, ge=1, description="Most padded tokens per PRM forward.")
+    prefix_reuse: bool = Field(
+        True, description="Run only the tokens not seen before: each problem's shared prefix (its KV and the "
+                          "head's outputs) is kept between rounds. Off: every trajectory is re-encoded (hf only).")
 
 
 class QwenPRMFormat:
@@ -105,41 +108,71 @@ class PRMScorer(StepScorer):
     """Process reward model score of the newest step (or an aggregate over the trajectory)."""
 
     Params = PRMParams
-    #: the reward model runs through transformers here (its own head); SGLang's reward path is not wired in
-    backends = ("hf",)
+    #: hf: transformers (kvflow's PRM rebuild, or the causal LM's label logits); sglang: kvflow's
+    #: PRM model class in SGLang (`kvflow.backends.sglang.prm_model`), or label logprobs
+    backends = ("hf",)  # sglang: next commit
 
     @classmethod
     def models_needed(cls, params):
         return [params.model]
 
+    @classmethod
+    def engine_settings(cls, params, backend: str) -> dict:
+        """Engine settings the scorer's model needs on `backend` (merged under the entry's own)."""
+        if backend == "sglang" and params.protocol == "qwen25-math-prm":
+            return {"enable_return_hidden_states": True}  # the PRM's head outputs come back as hidden states
+        return {}
+
     def __init__(self, params, context) -> None:
         super().__init__(params, context)
         import torch
 
-        from kvflow.backends.hf.scoring import PositionForward
+        model_cfg = (context.models or {}).get(params.model)
+        if getattr(model_cfg, "backend", "hf") == "sglang":
+            from kvflow.backends.sglang.scoring import PositionValues
+
+            engine = context.load_session(params.model).engine
+            if params.protocol == "qwen25-math-prm":
+                from kvflow.backends.hf.prm import check_prm_config
+
+                check_prm_config(engine.model_config, model_cfg.id)
+                self.format = QwenPRMFormat(engine.tokenizer)
+                self.forward = PositionValues(engine, head=True)
+                self._prob = lambda logits: torch.softmax(logits, dim=-1)[:, 1]
+            else:
+                self.format = ShepherdFormat(engine.tokenizer)
+                self.forward = PositionValues(engine, labels=self.format.label_ids)
+                self._prob = lambda logits: torch.softmax(logits, dim=-1)[:, 0]
+            return
+        from kvflow.backends.hf.scoring import PositionForward, PrefixForward, label_head
 
         if params.protocol == "qwen25-math-prm":
             from kvflow.backends.hf.prm import load_qwen_prm
 
             self.prm_model, tokenizer = load_qwen_prm(context.models[params.model])
-            model = self.prm_model
+            body, head = self.prm_model.model, self.prm_model.score
             self.format = QwenPRMFormat(tokenizer)
-            self.forward = PositionForward(model.model, model.score, pad_id=_pad_id(tokenizer),
-                                           batch_tokens=params.batch_tokens)
             self._prob = lambda logits: torch.softmax(logits, dim=-1)[:, 1]
         else:
             runner = context.load_session(params.model).runner
-            self.format = ShepherdFormat(runner.tokenizer)
-            labels = torch.as_tensor(self.format.label_ids, device=runner.device)
-            self.forward = PositionForward(runner.body, lambda h: runner.lm_head(h)[:, labels],
-                                           pad_id=_pad_id(runner.tokenizer), batch_tokens=params.batch_tokens)
+            tokenizer = runner.tokenizer
+            self.format = ShepherdFormat(tokenizer)
+            body, head = runner.body, label_head(runner.lm_head, self.format.label_ids)
             self._prob = lambda logits: torch.softmax(logits, dim=-1)[:, 0]
+        if params.prefix_reuse:
+            self.forward = PrefixForward(body, head, batch_tokens=params.batch_tokens)
+        else:
+            plain = PositionForward(body, head, pad_id=_pad_id(tokenizer), batch_tokens=params.batch_tokens)
+            self.forward = lambda keys, ids, positions: plain(ids, positions)
 
-    def step_scores(self, questions: list[str], steps: list[list[str]]) -> list[list[float]]:
-        """P(correct) of every step of every trajectory, one batched pass."""
+    def step_scores(self, questions: list[str], steps: list[list[str]],
+                    keys: list[str] | None = None) -> list[list[float]]:
+        """P(correct) of every step of every trajectory, one batched pass (keys: each
+        trajectory's problem, whose cached prefix it may reuse)."""
+        keys = keys or [f"#{i}" for i in range(len(steps))]
         todo = [i for i, s in enumerate(steps) if s]
         built = [self.format.build(questions[i], steps[i]) for i in todo]
-        logits = self.forward([b[0] for b in built], [b[1] for b in built]) if built else []
+        logits = self.forward([keys[i] for i in todo], [b[0] for b in built], [b[1] for b in built]) if built else []
         out: list[list[float]] = [[] for _ in steps]
         for i, lg in zip(todo, logits):
             out[i] = self._prob(lg).tolist()
@@ -150,8 +183,14 @@ class PRMScorer(StepScorer):
             return []
         delim = self.context.delimiter
         steps = [steps_for(r.trajectory, r.candidate, delim)[0] for r in requests]
-        scores = self.step_scores([r.trajectory.question for r in requests], steps)
+        scores = self.step_scores([r.trajectory.question for r in requests], steps,
+                                  [r.trajectory.problem_id for r in requests])
         return [aggregate(s, self.params.aggregate) if s else math.nan for s in scores]
+
+    def release(self, problem_ids):
+        release = getattr(self.forward, "release", None)
+        if release is not None:
+            release(problem_ids)
 
 
 def _pad_id(tokenizer) -> int:

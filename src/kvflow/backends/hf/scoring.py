@@ -4,11 +4,21 @@
   committed trajectory. It keeps one full-KV cache row per problem, holding the prompt and
   every committed step (synced lazily from the trajectory text), so a round of scoring only
   runs the candidates' own tokens. Used by the `likelihood` scorer.
-- `PositionForward` runs whole sequences (one per request: PRM input or judge prompt) through
-  a model body, batched with right padding in length-sorted chunks of bounded size, and
-  applies a small head at chosen positions only (step tags, the judge's answer slot). Used
-  by the `prm` and `llm_judge` scorers: their inputs are re-rendered texts, not continuations
-  of the trajectory, so there is no cache to reuse.
+- `PrefixForward` gives a small head's outputs (a PRM's class logits, the LM head restricted
+  to a few label tokens) at chosen positions of re-rendered inputs (PRM input, judge prompt),
+  running only the tokens it has not seen: per problem it keeps the token ids of the round's
+  shared prefix, their full KV (one row) and the head's outputs at every one of those
+  positions ([T, C], C = 2). A round crops that cache back to its token-level longest common
+  prefix (LCP) with the round's inputs -- a rendering is nearly append-only, but not quite:
+  the judge's "(no steps yet)" becomes the first step, BPE merges across a step boundary, a
+  chat template's closing tokens follow the last step --, extends it by the rest of the
+  prefix the round's inputs share (one row: the committed step), and runs the candidates'
+  own tokens batched over it. Used by `prm` and `llm_judge` (their default, `prefix_reuse`).
+- `PositionForward` runs whole sequences through the body with no cache (right padding,
+  length-sorted chunks of bounded size): what `prefix_reuse: false` runs, and the reference
+  the reuse is tested against.
+- `label_head()`: the LM head restricted to a few label tokens, without the full-vocabulary
+  logits.
 """
 
 from __future__ import annotations
@@ -144,3 +154,134 @@ class PositionForward:
             else:
                 chunks.append([i])
         return chunks
+
+
+def label_head(lm_head: torch.nn.Module, labels: Sequence[int]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """hidden [k, hidden] -> logits [k, len(labels)] of those tokens only (the rows of the LM
+    head's weight; a full-vocabulary projection at every position would dwarf the head)."""
+    idx = torch.as_tensor(list(labels), dtype=torch.long, device=lm_head.weight.device)
+    weight = lm_head.weight[idx]  # [C, hidden]
+    bias = lm_head.bias[idx] if getattr(lm_head, "bias", None) is not None else None
+    return lambda h: torch.nn.functional.linear(h.to(weight.dtype), weight, bias)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = (torch.as_tensor(list(a[:n])) != torch.as_tensor(list(b[:n]))).nonzero()
+    return int(diff[0]) if len(diff) else n
+
+
+@dataclass
+class _Prefix:
+    ids: list[int]  # tokens whose KV and head outputs are kept
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, kv_heads, T, head_dim]
+    head: torch.Tensor  # [T, C] float32 (CPU): the head's outputs at every kept position
+
+
+class PrefixForward:
+    """`head(hidden)` at chosen positions, running only tokens not cached for the problem
+    (see the module docstring). Same results as `PositionForward` (to float rounding).
+
+    body:  a transformers decoder stack (`Qwen2Model`, `HFRunner.body`) with full attention in
+           every layer (a sliding-window layer forgets what a crop would need: refused).
+    head:  final hidden states [k, hidden] -> [k, C] logits.
+    batch_tokens: most (candidate rows x (cached + new tokens)) per candidates' forward.
+    """
+
+    def __init__(self, body: torch.nn.Module, head: Callable[[torch.Tensor], torch.Tensor], *,
+                 batch_tokens: int = 16384) -> None:
+        from kvflow.backends.hf.compat import cache_keyword
+
+        types = getattr(body.config, "layer_types", None) or []
+        if any(t != "full_attention" for t in types) or getattr(body.config, "use_sliding_window", False):
+            raise ValueError("prefix reuse needs full attention in every layer (this model has sliding-window "
+                             "layers); score with prefix_reuse: false")
+        self.body, self.head, self.batch_tokens = body, head, batch_tokens
+        self.device = next(body.parameters()).device
+        self.cache_keyword = cache_keyword(body)
+        self._states: dict[str, _Prefix] = {}
+        self.tokens_run = 0  # tokens forwarded so far (the benchmark's and tests' measure of reuse)
+
+    @torch.inference_mode()
+    def __call__(self, keys: Sequence[str], ids: Sequence[Sequence[int]],
+                 positions: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """For every sequence i (of problem keys[i]): head logits at positions[i],
+        [len(positions[i]), C] float32 (CPU)."""
+        out: list[torch.Tensor] = [torch.empty(0)] * len(ids)
+        groups: dict[str, list[int]] = {}
+        for i, key in enumerate(keys):
+            groups.setdefault(key, []).append(i)
+        for key, idx in groups.items():
+            self._problem(key, idx, ids, positions, out)
+        return out
+
+    def release(self, keys: Sequence[str]) -> None:
+        for key in keys:
+            self._states.pop(key, None)
+
+    def _problem(self, key: str, idx: list[int], ids, positions, out) -> None:
+        seqs = [list(ids[i]) for i in idx]
+        shared = seqs[0]
+        for s in seqs[1:]:
+            shared = shared[: common_prefix(shared, s)]
+        st = self._states.get(key)
+        keep = common_prefix(st.ids, shared) if st is not None else 0
+        kv = [(k[:, :, :keep], v[:, :, :keep]) for k, v in st.kv] if st is not None and keep else None
+        head = st.head[:keep] if st is not None else torch.empty(0, 0)
+        if len(shared) > keep:  # the part of the shared prefix not cached yet (a committed step): one row
+            kv, new = self._forward(kv, [shared[keep:]], keep)
+            head = torch.cat([head.reshape(keep, new.shape[-1]), new[0]]) if keep else new[0]
+        self._states[key] = st = _Prefix(shared, kv, head)
+        n = len(shared)
+        suffix: dict[int, torch.Tensor] = {}
+        todo = [i for i in idx if len(ids[i]) > n]
+        for chunk in self._chunks(todo, ids, n):
+            rows = len(chunk)
+            batch = [(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1)) for k, v in st.kv] if n else None
+            _, new = self._forward(batch, [list(ids[i][n:]) for i in chunk], n, keep_kv=False)
+            for r, i in enumerate(chunk):
+                suffix[i] = new[r]
+        for i in idx:
+            pos = torch.as_tensor(list(positions[i]), dtype=torch.long)
+            if len(pos) == 0:
+                out[i] = torch.empty(0, st.head.shape[-1] if st.head.numel() else 0)
+                continue
+            rows = [st.head[p] if p < n else suffix[i][p - n] for p in pos.tolist()]
+            out[i] = torch.stack(rows)
+
+    def _chunks(self, todo: list[int], ids, n: int) -> list[list[int]]:
+        order = sorted(todo, key=lambda i: -len(ids[i]))
+        chunks: list[list[int]] = []
+        for i in order:
+            if chunks and (len(chunks[-1]) + 1) * len(ids[chunks[-1][0]]) <= self.batch_tokens:
+                chunks[-1].append(i)
+            else:
+                chunks.append([i])
+        return chunks
+
+    def _forward(self, kv, seqs: list[list[int]], past: int, keep_kv: bool = True):
+        """Run seqs (right-padded) after `past` cached tokens (kv: per layer [rows, kv_heads,
+        past, head_dim], or None). Returns (the new per-layer kv if keep_kv, head [rows, W, C])."""
+        from transformers import DynamicCache
+
+        rows, width = len(seqs), max(len(s) for s in seqs)
+        input_ids = torch.zeros(rows, width, dtype=torch.long)
+        mask = torch.zeros(rows, past + width, dtype=torch.long)
+        mask[:, :past] = 1
+        for r, s in enumerate(seqs):
+            input_ids[r, : len(s)] = torch.as_tensor(s, dtype=torch.long)
+            mask[r, past : past + len(s)] = 1
+        cache = DynamicCache(config=self.body.config)
+        for layer, (k, v) in enumerate(kv or ()):
+            cache.update(k, v, layer)
+        positions = (past + torch.arange(width))[None, :].expand(rows, -1)
+        hidden = self.body(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device),
+                           position_ids=positions.to(self.device), use_cache=True,
+                           **{self.cache_keyword: cache}).last_hidden_state  # [rows, W, hidden]
+        self.tokens_run += sum(len(s) for s in seqs)
+        head = self.head(hidden.reshape(rows * width, -1)).float().cpu().reshape(rows, width, -1)
+        new_kv = [(layer.keys, layer.values) for layer in cache.layers] if keep_kv else None
+        return new_kv, head
