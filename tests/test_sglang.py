@@ -144,6 +144,9 @@ def test_kv_rescue_with_the_helper_on_sglang_commits_what_hf_commits(tmp_path, c
         assert result.exit_code == 0, result.output
         (run_dir,) = [d for d in (tmp_path / "results").iterdir() if d.name.startswith(f"rescue_{backend}")]
         runs[backend] = committed_steps(run_dir)
+        occupancy = json.loads((run_dir / "manifest.json").read_text())["occupancy"]
+        # run.overlap_engines auto: SGLang's stream is read while hf computes (two hf models on this CPU: not)
+        assert ("overlapped_steps" in occupancy["helper"]) == (backend == "sglang"), occupancy
     assert runs["sglang"] == runs["hf"]
     assert any(src == "helper" for steps in runs["hf"].values() for _, src, _ in steps)
 

@@ -83,6 +83,13 @@ naming the proposers whose rows the forward runs, `+`-joined in pipeline order (
 them all; an engine that cannot tell which are in a forward uses `label`); kvflow's timing
 report files that time under `model:<suffix>`.
 
+Overlap. An engine whose decoding runs on its own (another process, like SGLang's worker)
+sets `streams = True` (optional, added in kvflow 0.1): `step()` then only reads what arrived
+(waiting briefly for it while rows decode), and the scheduler calls it again and again while
+other engines compute. An engine without it computes in `step()` and may be stepped on a
+thread of its own, concurrently with other engines (never with itself): it must not share
+mutable state with another engine (two engines are two models).
+
 Candidates: `source` is the request's proposer, `index` 0..n-1, `problem` 0 (the caller knows
 a proposal's problem from its `tag`).
 
@@ -184,7 +191,8 @@ class Engine(Protocol):
     forwards: int  # decode forwards run so far (occupancy = rows_decoded / forwards / bound); see "Counters"
     rows_decoded: int  # candidate rows fed to those forwards, summed
     # optional: `evicts = False` for an engine that runs full-context proposers only, and
-    # `exact_entropy = False` for one that estimates entropies (the contract suite adapts);
+    # `exact_entropy = False` for one that estimates entropies (the contract suite adapts),
+    # `streams = True` for one whose decoding runs on its own (see "Overlap");
     # `settings() -> dict` and, for an evicting engine, `kept_kv(state)` (docs/plugins.md)
 
     def encode(self, text: str) -> list[int]:

@@ -115,6 +115,11 @@ class RunConfig(Frozen):
         "`enable_deterministic_inference` (a GPU attention backend; refused on a CPU), and on `hf` torch's "
         "deterministic algorithms (a rerun of the same schedule is bitwise identical; hf's batched forward stays "
         "batch-variant at the last bit: docs/concepts.md).")
+    overlap_engines: Literal["auto", "on", "off"] = Field(
+        "auto", description="Let models decode at once: each in-process model (hf) steps on a thread of its own "
+        "and SGLang's streamed tokens are read (pruners, stop rules) while the other forwards run. `auto`: when an "
+        "engine streams (SGLang) or the in-process models sit on distinct GPUs; on one CPU they would only share "
+        "its cores. Results do not depend on it (docs/concepts.md).")
     baselines: Optional[BaselinesConfig] = Field(
         None, description="Results directories whose metrics.json give recovery = (acc - acc_evicted) / (acc_full - acc_evicted).")
     # where the problems are decoded (docs/cluster.md): not part of the run's hash, so a run

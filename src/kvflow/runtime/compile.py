@@ -157,6 +157,7 @@ def build_plan(loaded: LoadedPipeline, registry, on_load: Callable[[str], None] 
     committer = loaded.components.committer.cls(loaded.components.committer.params, list(pipe.proposers))
     plan = Plan(proposers, scorer, committer, pipe.limits, pipe.run.seed, batch_problems=pipe.run.batch_problems,
                 live_problems=pipe.run.live_problems, record_candidates=pipe.run.record_candidates,
+                overlap=pipe.run.overlap_engines,
                 placement=placement)
     return plan, engines
 

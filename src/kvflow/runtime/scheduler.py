@@ -15,17 +15,31 @@ decode batch stays full while some problems score, sync, or wait for another eng
 Results do not depend on scheduling: candidate i of a problem's step s on proposer p samples
 from row_seed(row_seed(seed, problem, p, s), i) whatever else is decoded with it.
 
+Engines overlap (`Plan.overlap`, `run.overlap_engines`): when several engines have rows to
+decode, each engine that computes in this process (an `hf` model, on its own device) steps on
+a thread of its own, and engines that decode elsewhere (`streams = True`: SGLang's worker
+process) are read in the meantime, as often as their tokens arrive, so their pruners and stop
+rules act on tokens while the other forwards run instead of after them. Each computing engine
+still steps exactly once per round, on the same rows as without overlap, and a problem's
+state machine is unchanged: only wall time differs. `auto` overlaps when it can pay (an engine
+that streams, or computing engines on distinct accelerators); on one CPU the forwards would
+only share its cores, so they run one after another.
+
 Timing: with a `timings` dict, a finished problem's `timing` is stored under its id before
 `on_done`: `wall` from its admission until it finished, split into the exclusive phases the
 scheduler spent meanwhile (`prefill`, `propose`, `score`, `commit`, `sync`, `record`, model
 forwards nested as `<phase>/forward:<proposers>`, pruning as `propose/prune`, and `other`),
-which sum to `wall`. Problems in flight together share that time; it is not divided.
+which sum to `wall`. Problems in flight together share that time; it is not divided. A round
+in which engines overlapped is one `forward:<proposers>` phase naming every proposer that
+decoded in it (`model:base+helper`: both models were running), since wall time cannot be
+split between forwards that ran at once.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Sequence
 
@@ -58,6 +72,7 @@ class Plan:
     live_problems: Optional[int] = None  # problems in flight; None = 2 x batch_problems
     record_candidates: bool = False  # keep every candidate of every step on the trajectory (run.record_candidates)
     placement: Optional[object] = None  # kvflow.placement.Placement of the models on GPUs (None: no GPU)
+    overlap: str = "auto"  # run.overlap_engines: auto | on | off (see the module docstring)
 
     def engines(self) -> list[Engine]:
         return list({id(p.engine): p.engine for p in self.proposers}.values())
@@ -74,11 +89,13 @@ class Occupancy:
     forwards: dict[str, int] = field(default_factory=dict)
     rows: dict[str, int] = field(default_factory=dict)
     bound: dict[str, int] = field(default_factory=dict)
+    overlapped: dict[str, int] = field(default_factory=dict)  # steps run while another engine ran too
 
     def summary(self) -> dict:
         return {name: {"forwards": f, "mean_rows": round(self.rows[name] / f, 3) if f else 0.0,
                        "bound": self.bound[name],
-                       "occupancy": round(self.rows[name] / f / self.bound[name], 4) if f else 0.0}
+                       "occupancy": round(self.rows[name] / f / self.bound[name], 4) if f else 0.0,
+                       **({"overlapped_steps": self.overlapped[name]} if self.overlapped.get(name) else {})}
                 for name, f in self.forwards.items()}
 
 
@@ -107,7 +124,15 @@ def run(plan: Plan, trajectories: Iterable[Trajectory], on_done: Callable[[Traje
     for e in plan.engines():
         e.clock, e.label = clock, names[id(e)]
         occupancy.bound[names[id(e)]] = plan.row_bound(e)
-    source = iter(trajectories)
+    overlap = _Overlap(plan, clock, names)
+    try:
+        _loop(plan, iter(trajectories), on_done, clock, occupancy, overlap, names, timings, on_tick)
+    finally:
+        overlap.close()
+
+
+def _loop(plan: Plan, source, on_done, clock, occupancy: Occupancy, overlap: "_Overlap", names: dict[int, str],
+          timings: Optional[dict], on_tick) -> None:
     max_live = plan.live_problems or 2 * plan.batch_problems
     live: list[_Problem] = []
     exhausted = False
@@ -129,15 +154,16 @@ def run(plan: Plan, trajectories: Iterable[Trajectory], on_done: Callable[[Traje
             if exhausted:
                 return
             continue
-        for engine in plan.engines():
-            if not engine.busy_rows():
-                continue
-            before = (engine.forwards, engine.rows_decoded)
-            with clock.phase("propose"):
-                finished = engine.step(plan.row_bound(engine))
+        busy = [e for e in plan.engines() if e.busy_rows()]
+        together = overlap.wanted(busy)
+        with clock.phase("propose"):
+            stepped = overlap.step(plan, busy) if together else [(e, *_step(plan, e)) for e in busy]
+        for engine, finished, forwards, rows in stepped:
             name = names[id(engine)]
-            occupancy.forwards[name] = occupancy.forwards.get(name, 0) + engine.forwards - before[0]
-            occupancy.rows[name] = occupancy.rows.get(name, 0) + engine.rows_decoded - before[1]
+            occupancy.forwards[name] = occupancy.forwards.get(name, 0) + forwards
+            occupancy.rows[name] = occupancy.rows.get(name, 0) + rows
+            if together:
+                occupancy.overlapped[name] = occupancy.overlapped.get(name, 0) + 1
             for proposal in finished:
                 problem, proposer = proposal.request.tag
                 problem.proposals[proposer] = proposal
@@ -155,6 +181,90 @@ def run(plan: Plan, trajectories: Iterable[Trajectory], on_done: Callable[[Traje
             with clock.phase("record"):
                 for p in done:
                     on_done(p.traj)
+
+
+def _step(plan: Plan, engine: Engine) -> tuple[list[Proposal], int, int]:
+    """One `step()` of `engine`: (finished proposals, forwards run, rows decoded)."""
+    before = (engine.forwards, engine.rows_decoded)
+    finished = engine.step(plan.row_bound(engine))
+    return finished, engine.forwards - before[0], engine.rows_decoded - before[1]
+
+
+class _Overlap:
+    """Steps the busy engines of one round together (see the module docstring).
+
+    Each computing engine gets one thread of its own for the whole run (a CUDA context and
+    stream stay with it) and steps once per round there; engines that stream (`streams =
+    True`) are stepped on the calling thread, again and again, until every computing engine
+    has finished its step (at least once each). While they run, every engine's `clock` is a
+    private one: the round is one `forward:` phase of the scheduler's clock."""
+
+    def __init__(self, plan: Plan, clock, names: dict[int, str]) -> None:
+        self.plan, self.clock, self.names = plan, clock, names
+        self.mode = plan.overlap
+        self.threads: dict[int, ThreadPoolExecutor] = {}
+        self.order = {id(e): i for i, e in enumerate(plan.engines())}
+
+    def wanted(self, busy: Sequence[Engine]) -> bool:
+        if self.mode == "off" or len(busy) < 2:
+            return False
+        if self.mode == "on":
+            return True
+        computing = [e for e in busy if not getattr(e, "streams", False)]
+        if len(computing) < len(busy):  # a streaming engine: read it while the others compute
+            return True
+        devices = {str(e.device) for e in computing}
+        return len(devices) == len(computing) and not any(d.startswith("cpu") for d in devices)
+
+    def step(self, plan: Plan, busy: Sequence[Engine]) -> list[tuple]:
+        streaming = [e for e in busy if getattr(e, "streams", False)]
+        computing = [e for e in busy if not getattr(e, "streams", False)]
+        private = {id(e): e.clock for e in busy}
+        label = "+".join(self.names[id(e)] for e in sorted(busy, key=lambda e: self.order[id(e)]))
+        results: dict[int, list] = {id(e): [e, [], 0, 0] for e in busy}
+        with self.clock.phase(f"forward:{label}"):
+            for e in busy:
+                e.clock = NULL_CLOCK
+            try:
+                futures = [self._thread(e).submit(_step, plan, e) for e in computing]
+                reading = list(streaming)
+                while reading:
+                    for e in reading:
+                        finished, forwards, rows = _step(plan, e)
+                        r = results[id(e)]
+                        r[1] += finished
+                        r[2] += forwards
+                        r[3] += rows
+                    # a streaming engine's step waits (briefly) for tokens only while rows decode:
+                    # once its proposals are all handed back it would spin, so it rests
+                    reading = [e for e in reading if e.busy_rows()]
+                    if all(f.done() for f in futures):
+                        break
+                wait(futures)
+                errors = []
+                for e, f in zip(computing, futures):
+                    try:
+                        results[id(e)][1:] = f.result()
+                    except BaseException as exc:  # noqa: BLE001 - re-raised below, once every thread is done
+                        errors.append(exc)
+                if errors:
+                    raise errors[0]
+            finally:
+                for e in busy:
+                    e.clock = private[id(e)]
+        return [tuple(results[id(e)]) for e in busy]
+
+    def _thread(self, engine: Engine) -> ThreadPoolExecutor:
+        pool = self.threads.get(id(engine))
+        if pool is None:
+            name = f"kvflow-{self.names[id(engine)]}"
+            pool = self.threads[id(engine)] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        return pool
+
+    def close(self) -> None:
+        for pool in self.threads.values():
+            pool.shutdown(wait=True)
+        self.threads.clear()
 
 
 def _start(plan: Plan, problems: Sequence[_Problem], clock) -> None:

@@ -92,6 +92,7 @@ class SGLangEngine(EvictedStates):
 
     backend = "sglang"
     exact_entropy = False  # estimated from the top-k logprobs (entropy_estimate)
+    streams = True  # decoding runs in the worker process: step() reads what arrived (the scheduler overlaps it)
 
     def __init__(self, worker: Worker, tokenizer: Any, *, vocab_size: int, kv_shape: tuple[int, int, int, int],
                  eos_ids: set[int], device: str) -> None:
