@@ -9,6 +9,8 @@ CPU smoke run:
 
     python bench/scheduler_throughput.py --device cuda --problems 64 --n 8
     python bench/scheduler_throughput.py --device cpu --layers 1 --problems 4 --n 2 --steps 2 --vocab 4096
+    python bench/scheduler_throughput.py --device cuda --problems 32 --n 8 --overlap on   # base and helper
+                                                                 # on threads of their own, one GPU
 
 Prints one JSON object.
 """
@@ -54,6 +56,8 @@ def main():
     ap.add_argument("--steps", type=int, default=4, help="committed steps per problem")
     ap.add_argument("--step-tokens", type=int, default=64, help="max_step_tokens")
     ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument("--overlap", default="auto", choices=["auto", "on", "off"],
+                    help="run.overlap_engines: base and helper on threads of their own (auto: distinct GPUs only)")
     ap.add_argument("--shape", default="7b", choices=sorted(SHAPES), help="with --save-model")
     ap.add_argument("--save-model", metavar="DIR", help="only write a random-weight checkpoint of --shape "
                     "(with kvflow's tiny tokenizer and its vocabulary) to DIR, for engines that load from disk")
@@ -98,7 +102,7 @@ def main():
     plan = Plan(proposers, scorer_cls(scorer_cls.Params(), ScorerContext(None, names, 0)),
                 committer_cls(committer_cls.Params(), names),
                 LimitsConfig(max_steps=args.steps, max_tokens=10**6, stop_on_answer=False), 0,
-                batch_problems=args.problems)
+                batch_problems=args.problems, overlap=args.overlap)
     words = "Natalia sold 48 clips in April and half as many in May ".split()
     text = " ".join(words[i % len(words)] for i in range(args.prompt_tokens))
     trajs = [Trajectory(f"p{i}", "", f"{i} {text}") for i in range(2 * args.problems)]
