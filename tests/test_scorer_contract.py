@@ -3,7 +3,8 @@
 A scorer that needs a model gets the contract's tiny one (`model: tiny`); `prm` is checked
 with its causal-LM protocol (`math-shepherd`), since a tiny Qwen2.5-Math-PRM checkpoint is
 tests/test_scorers.py's business. `likelihood` runs both ways: with a model, and on the
-candidates' own log-probabilities.
+candidates' own log-probabilities. Every scorer that declares backend `sglang` runs the suite
+again with its model on SGLang (one engine, the SGLang tests' shared tiny Qwen2).
 """
 
 from __future__ import annotations
@@ -25,6 +26,30 @@ def test_builtins_registered():
 class TestRegisteredScorers(ScorerContract):
     @pytest.fixture(scope="class", params=CASES,
                     ids=[f"{n}-{'-'.join(map(str, p.values())) or 'defaults'}" for n, p in CASES])
+    @classmethod
+    def scorer_factory(cls, request):
+        name, extra = request.param
+        cls = get_registry().get("scorers", name)
+        return lambda context, **params: cls(cls.Params(**{**params, **extra}), context)
+
+
+def _declares_sglang(name: str) -> bool:
+    allowed = getattr(get_registry().get("scorers", name), "backends", None)  # None: any engine
+    return allowed is None or "sglang" in allowed
+
+
+SGLANG_CASES = [(n, p) for n, p in CASES if p.get("model") and _declares_sglang(n)]
+
+
+def test_scorers_on_sglang_are_covered():
+    assert {n for n, _ in SGLANG_CASES} >= {"prm", "llm_judge", "likelihood"}
+
+
+class TestRegisteredScorersOnSGLang(ScorerContract):
+    contract_backend = "sglang"
+
+    @pytest.fixture(scope="class", params=SGLANG_CASES,
+                    ids=[f"{n}-{'-'.join(map(str, p.values()))}" for n, p in SGLANG_CASES])
     @classmethod
     def scorer_factory(cls, request):
         name, extra = request.param

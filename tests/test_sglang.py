@@ -168,13 +168,16 @@ def test_engine_settings_are_checked_against_sglang_server_arguments(tmp_path, c
         assert not (tmp_path / str(i) / "results").exists()  # nothing written
 
 
-def test_prm_on_sglang_is_refused_naming_the_field(tmp_path, cli):
-    path = tiny_pipeline(tmp_path, problems=1, scorer={"kind": "prm", "model": "helper", "protocol": "math-shepherd"},
-                         extra={"models": {"helper": {"backend": "sglang"}}})
+def test_prm_scores_on_the_helpers_sglang_engine(tmp_path, cli, shared_tiny_qwen):
+    """`prm` (math-shepherd) runs on backend sglang, sharing the helper's engine (issue 26;
+    was refused at models.helper.backend): every committed step gets a score."""
     require_sglang()
+    path = tiny_pipeline(tmp_path, problems=1, scorer={"kind": "prm", "model": "helper", "protocol": "math-shepherd"},
+                         extra={"models": {"helper": {"backend": "sglang", "id": str(shared_tiny_qwen)}}})
     result = cli("run", path)
-    assert result.exit_code == 2 and "models.helper.backend" in result.output, result.output
-    assert "scorer 'prm'" in result.output
+    assert result.exit_code == 0, result.output
+    steps = [s for r in committed_steps(next((tmp_path / "results").glob("*"))).values() for s in r]
+    assert steps and all(score is not None for _, _, score in steps), steps
 
 
 def test_a_crashed_worker_stops_the_run_clearly_and_the_rerun_resumes(tmp_path, cli, shared_tiny_qwen):

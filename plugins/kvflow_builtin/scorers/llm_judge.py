@@ -61,7 +61,7 @@ class LLMJudgeScorer(StepScorer):
     Params = JudgeParams
 
     #: hf: two label logits through transformers; sglang: their log-probabilities from the engine
-    backends = ("hf",)  # sglang: next commit
+    backends = ("hf", "sglang")
 
     @classmethod
     def models_needed(cls, params):

@@ -110,7 +110,7 @@ class PRMScorer(StepScorer):
     Params = PRMParams
     #: hf: transformers (kvflow's PRM rebuild, or the causal LM's label logits); sglang: kvflow's
     #: PRM model class in SGLang (`kvflow.backends.sglang.prm_model`), or label logprobs
-    backends = ("hf",)  # sglang: next commit
+    backends = ("hf", "sglang")
 
     @classmethod
     def models_needed(cls, params):
@@ -131,11 +131,12 @@ class PRMScorer(StepScorer):
         if getattr(model_cfg, "backend", "hf") == "sglang":
             from kvflow.backends.sglang.scoring import PositionValues
 
+            if params.protocol == "qwen25-math-prm":
+                from kvflow.backends.hf.prm import check_prm_checkpoint
+
+                check_prm_checkpoint(model_cfg)  # before SGLang would serve a causal LM as one
             engine = context.load_session(params.model).engine
             if params.protocol == "qwen25-math-prm":
-                from kvflow.backends.hf.prm import check_prm_config
-
-                check_prm_config(engine.model_config, model_cfg.id)
                 self.format = QwenPRMFormat(engine.tokenizer)
                 self.forward = PositionValues(engine, head=True)
                 self._prob = lambda logits: torch.softmax(logits, dim=-1)[:, 1]

@@ -115,6 +115,7 @@ def build_plan(loaded: LoadedPipeline, registry, on_load: Callable[[str], None] 
 
     loaded, placement = place_models(loaded, gpus)  # before any engine starts: refuses what cannot fit
     loaded = deterministic_engines(loaded)
+    loaded = scorer_engines(loaded)
     pipe = loaded.pipeline
     engines: dict[str, object] = {}
     evicting = {p.model for p in pipe.proposers.values() if p.evictor.kind != "none"}
@@ -181,6 +182,25 @@ def deterministic_engines(loaded: LoadedPipeline) -> LoadedPipeline:
         return loaded
     models = {k: m.model_copy(update={"engine": {**(m.engine or {}), "enable_deterministic_inference": True}})
               if m.backend == "sglang" else m for k, m in pipe.models.items()}
+    return dataclasses.replace(loaded, pipeline=pipe.model_copy(update={"models": models}))
+
+
+def scorer_engines(loaded: LoadedPipeline) -> LoadedPipeline:
+    """The scorer's models with the engine settings the scorer needs on their backend
+    (`Scorer.engine_settings(params, backend)`, e.g. SGLang's `enable_return_hidden_states` for
+    a PRM), under the entry's own `engine:` settings; the entry's own value wins."""
+    import dataclasses
+
+    scorer = loaded.components.scorer
+    hook = getattr(scorer.cls, "engine_settings", None)
+    if hook is None:
+        return loaded
+    pipe = loaded.pipeline
+    models = dict(pipe.models)
+    for key in scorer.cls.models_needed(scorer.params):
+        extra = hook(scorer.params, models[key].backend)
+        if extra:
+            models[key] = models[key].model_copy(update={"engine": {**extra, **(models[key].engine or {})}})
     return dataclasses.replace(loaded, pipeline=pipe.model_copy(update={"models": models}))
 
 

@@ -21,7 +21,10 @@ methods; pytest 10 removes them); a parametrized factory takes `request` after `
 The suite builds the `ScorerContext` the runtime would: proposers `base` and `helper`, seed 0,
 delimiter "\\n\\n", `load_session("tiny")` giving a full-KV scoring session on a tiny
 random-weight Qwen2 (its `.runner` is a `kvflow.backends.hf.engine.HFRunner`), and `models`
-with `tiny` pointing at that model saved as a transformers directory. What is checked:
+with `tiny` pointing at that model saved as a transformers directory. With
+`contract_backend = "sglang"` the tiny model is served by SGLang instead (`models.tiny.backend:
+sglang`; the session is SGLang's, its `.engine` the `SGLangEngine`): a scorer that declares
+`backends = ("hf", "sglang")` runs the suite once per backend. What is checked:
 
 - `score()` returns one float per request (a list), finite for every non-empty candidate,
   and `[]` for no requests;
@@ -110,6 +113,10 @@ class ScorerContract(ComponentContract):
 
     #: parameters every test passes to the factory (`model: tiny` for a scorer that needs one)
     contract_params: ClassVar[dict] = {}
+    #: the backend `models.tiny` is served by: "hf", or "sglang" (one SGLang engine on the tiny
+    #: model for the class; skipped where SGLang is not installed). Run the suite once per
+    #: backend the scorer declares (`Scorer.backends`).
+    contract_backend: ClassVar[str] = "hf"
     params_base = ScorerParams
 
     @pytest.fixture(scope="class")
@@ -127,6 +134,24 @@ class ScorerContract(ComponentContract):
         from kvflow.config.schema import ModelConfig
         from kvflow.registry import get_registry
 
+        if cls.contract_backend == "sglang":
+            from kvflow.testing.engine_parity import shared_model_dir
+
+            # the tiny Qwen2 kvflow's SGLang tests share (one engine per process)
+            directory = shared_model_dir("qwen2", seed=3)
+            loader = get_registry().get("backends", "sglang")
+            cfg = ModelConfig(backend="sglang", id=str(directory), dtype="float32", device="cpu")
+            why = loader.check(cfg)
+            if why:
+                pytest.skip(f"backend 'sglang' cannot run here: {why[1] if isinstance(why, tuple) else why}")
+            models = {MODEL_KEY: cfg}
+
+            def load_session(key: str):
+                assert key == MODEL_KEY, f"the contract provides only models.{MODEL_KEY}, not models.{key}"
+                return loader.load(cfg, evicting=False).scoring_session()
+
+            return lambda: ScorerContext(load_session=load_session, proposers=list(PROPOSERS), seed=0,
+                                         delimiter="\n\n", models=models)
         directory = tmp_path_factory.mktemp("tiny-scorer-model")
         _runner().model.save_pretrained(directory)
         _runner().tokenizer.save_pretrained(directory)

@@ -70,6 +70,15 @@ def check_prm_config(config: dict, model_id: str) -> None:
                         "qwen25-math-prm protocol rebuilds Qwen2 PRMs only", hint=_HINT)
 
 
+def check_prm_checkpoint(model_cfg: Any) -> None:
+    """Refuse a model entry whose checkpoint is not a Qwen2 process reward model (before an
+    engine that would serve it as a causal LM starts: backend sglang)."""
+    config_file = _directory(model_cfg) / "config.json"
+    if not config_file.is_file():
+        raise UserError(f"{model_cfg.id}: no config.json in {config_file.parent}", hint=_HINT)
+    check_prm_config(json.loads(config_file.read_text()), model_cfg.id)
+
+
 def _directory(model_cfg: Any) -> Path:
     from kvflow.models.loading import resolve_source
 

@@ -17,6 +17,9 @@ SGLang scheduler otherwise busy-polls a whole core, which a mixed pipeline's `hf
 from 1 s to 100 ms: kvflow sends each step's requests right after the last step's ended, and a
 request that lands just before the nap must not wait out a second.
 
+It registers kvflow's `Qwen2ForProcessRewardModel` in SGLang's model registry for an engine
+that serves one (`prm_model.py`).
+
 It acts only in engines that kvflow's worker started (`KVFLOW_SGLANG=1` in the environment,
 which SGLang's spawned processes inherit); in any other SGLang it registers nothing.
 """
@@ -45,6 +48,10 @@ def register() -> None:
     from kvflow.backends.sglang import evict
 
     evict.register()  # evicted requests (kvflow's evictors per request, layer and KV head)
+    if os.environ.get("KVFLOW_SGLANG_PRM") == "1":  # set by the worker for a PRM checkpoint only:
+        from kvflow.backends.sglang import prm_model  # SGLang's model registry imports every model (seconds)
+
+        prm_model.register()  # Qwen2 process reward models (SGLang has no such class)
 
 
 def _short_nap(sleeper, *args, **kwargs) -> None:

@@ -16,6 +16,8 @@ replies; SGLang's own prints go to stderr):
     ← ("end", rid, finish, meta)             finish: SGLang's finish_reason
     → ("score", rid, input_ids, start)       log-probabilities of input_ids[start:]
     ← ("scored", rid, logprobs, meta)
+    → ("values", rid, input_ids, start, labels)  per-position values of the positions not cached
+    ← ("scored", rid, {"first", "values"}, meta)  values of positions first.. ([n, C])
     → ("abort", rid)                         the request ends soon with finish type "abort"
     → ("state", rid)                         the scheduler's state (KV slots in use, kvflow's snapshots)
     ← ("state", rid, dict)                   summed over data-parallel replicas (each under "replicas")
@@ -98,6 +100,36 @@ class _Worker:
         finally:
             self.tasks.pop(rid, None)
 
+    async def values(self, rid, input_ids, start, labels) -> None:
+        """Per-position values of the positions SGLang runs (the rest is in its radix cache):
+        labels None: the model's hidden states, which kvflow's PRM class makes its head's
+        logits ([tokens, 2]); `start` (or None) then caps the cached prefix, so that the values
+        from `start` on come back. labels: log p of those tokens at positions start.. (the
+        last from the first sampled token's distribution); the cache is capped at `start`."""
+        try:
+            if labels is None:
+                # one sampled token (unused): with none SGLang returns no hidden states
+                kw = {"sampling_params": {"max_new_tokens": 1, "temperature": 0.0}, "return_hidden_states": True}
+                if start is not None:
+                    kw.update(return_logprob=True, logprob_start_len=start)
+                out = await self.engine.async_generate(input_ids=input_ids, rid=rid, **kw)
+                hidden = out["meta_info"]["hidden_states"][0]  # the prefill's positions
+                values, first = hidden, len(input_ids) - len(hidden)
+            else:
+                out = await self.engine.async_generate(
+                    input_ids=input_ids, sampling_params={"max_new_tokens": 1, "temperature": 0.0}, rid=rid,
+                    return_logprob=True, logprob_start_len=start, token_ids_logprob=list(labels))
+                meta = out["meta_info"]
+                # entry j of the input's is token start + j, read from position start + j - 1
+                rows = list(meta["input_token_ids_logprobs"][1:]) + [meta["output_token_ids_logprobs"][0]]
+                values = [[lp for lp, _tid, *_ in sorted(row, key=lambda x: list(labels).index(x[1]))] for row in rows]
+                first = start
+            self.send("scored", rid, {"first": first, "values": values}, _meta(out["meta_info"]))
+        except Exception as exc:  # noqa: BLE001
+            self.send("error", rid, f"{type(exc).__name__}: {exc}")
+        finally:
+            self.tasks.pop(rid, None)
+
     async def state(self, rid) -> None:
         try:
             states = await self.engine.tokenizer_manager.get_internal_state()
@@ -115,6 +147,8 @@ class _Worker:
             self.tasks[msg[1]] = self.loop.create_task(self.generate(*msg[1:]))
         elif kind == "score":
             self.tasks[msg[1]] = self.loop.create_task(self.score(*msg[1:]))
+        elif kind == "values":
+            self.tasks[msg[1]] = self.loop.create_task(self.values(*msg[1:]))
         elif kind == "abort":
             if msg[1] in self.tasks:
                 self.engine.tokenizer_manager.abort_request(msg[1])
@@ -166,6 +200,17 @@ def resolved_settings(server_args) -> dict:
     return out
 
 
+def _is_prm(model_path) -> bool:
+    """Does the model directory's config name kvflow's process reward model class?"""
+    import json
+
+    try:
+        with open(os.path.join(str(model_path), "config.json")) as f:
+            return "Qwen2ForProcessRewardModel" in (json.load(f).get("architectures") or [])
+    except (OSError, ValueError, TypeError):
+        return False
+
+
 def _read_requests(stream, loop, inbox: asyncio.Queue) -> None:
     while True:
         msg = read_frame(stream)
@@ -184,6 +229,8 @@ def main() -> int:
     # the logprobs kvflow promises are the model's own (temperature 1); the plugin seeds rows
     os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
     os.environ["KVFLOW_SGLANG"] = "1"
+    if _is_prm(first["engine"].get("model_path")):  # the plugin registers kvflow's PRM class for it
+        os.environ["KVFLOW_SGLANG_PRM"] = "1"
     try:
         import sglang
 

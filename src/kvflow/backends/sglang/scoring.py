@@ -1,0 +1,117 @@
+"""Per-position scoring on SGLang for `prm` and `llm_judge` (issue 26): `PositionValues`.
+
+The same contract as `hf`'s `PrefixForward`: for each request (problem key, token ids,
+positions), a small head's outputs at those positions, [k, C] float32. Two kinds of head:
+
+- `head=True`: a process reward model served by kvflow's `Qwen2ForProcessRewardModel`
+  (`prm_model.py`), whose "hidden states" are its two-class logits at every position it runs;
+- `labels=[...]`: a causal LM's log-probabilities of a few label tokens ("+"/"-", "Yes"/"No")
+  at a position; softmax over them is softmax over the label logits (log-softmax only shifts
+  them), so scorers read both kinds alike.
+
+SGLang's radix cache holds each problem's committed prefix, so a request runs only the tokens
+the cache does not hold, and the engine returns values for those positions only. The values
+at cached positions (the committed steps' tags, which `aggregate: min | prod | mean` needs)
+are kept here, per problem: every value a request returned, with its token ids, for the
+problem's last round; a position's value depends only on the tokens up to it, so a new
+request takes them over its longest common prefix with those. A needed position that the
+engine served from its cache but that is not kept here (the cache held that prefix from
+another request: a duplicate question, a problem scored again after release) is asked for
+again with the cache capped before it (`logprob_start_len`), never guessed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+
+from kvflow.backends.sglang.client import EngineError
+
+
+def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = (torch.as_tensor(list(a[:n])) != torch.as_tensor(list(b[:n]))).nonzero()
+    return int(diff[0]) if len(diff) else n
+
+
+class PositionValues:
+    def __init__(self, engine, *, head: bool = False, labels: Optional[Sequence[int]] = None) -> None:
+        if head == (labels is not None):
+            raise ValueError("PositionValues: either head=True or labels")
+        self.engine = engine
+        self.labels = None if labels is None else [int(x) for x in labels]
+        self.width = 2 if head else len(self.labels)
+        self._known: dict[str, list[tuple[list[int], torch.Tensor]]] = {}  # problem -> [(ids, values [T, C], nan = unknown)]
+        self.tokens_run = 0  # positions the engine ran (not served from its cache)
+        self.requests = 0
+
+    def __call__(self, keys: Sequence[str], ids: Sequence[Sequence[int]],
+                 positions: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        vals = [self._from_known(k, x) for k, x in zip(keys, ids)]
+        todo = {}
+        for i, (x, pos) in enumerate(zip(ids, positions)):
+            need = [p for p in pos if math.isnan(float(vals[i][p, 0]))]
+            if need:
+                todo[i] = self._start(need)
+        capped: set[int] = set()
+        while todo:
+            replies = self._ask({i: (list(ids[i]), start) for i, start in todo.items()})
+            again = {}
+            for i, (first, values) in replies.items():
+                if len(values):
+                    vals[i][first : first + len(values)] = torch.as_tensor(values, dtype=torch.float32)
+                need = [p for p in positions[i] if math.isnan(float(vals[i][p, 0]))]
+                if need:
+                    if i in capped:
+                        raise EngineError(f"{self.engine.worker.where}: SGLang returned no value at positions {need}")
+                    capped.add(i)
+                    again[i] = min(need)
+            todo = again
+        rounds: dict[str, list[tuple[list[int], torch.Tensor]]] = {}
+        for k, x, v in zip(keys, ids, vals):
+            rounds.setdefault(k, []).append((list(x), v))
+        self._known.update(rounds)
+        return [v[list(pos)] if len(pos) else torch.empty(0, self.width) for v, pos in zip(vals, positions)]
+
+    def release(self, keys: Sequence[str]) -> None:
+        for k in keys:
+            self._known.pop(k, None)
+
+    def _start(self, need: list[int]) -> Optional[int]:
+        """Where a request's values must start: a causal LM's label log-probabilities are
+        asked from the first needed position on (which also caps the cache there); a PRM's
+        come for whatever the engine runs (None: no cap, the common case)."""
+        return None if self.labels is None else min(need)
+
+    def _from_known(self, key: str, x: Sequence[int]) -> torch.Tensor:
+        """Values [len(x), C] at the positions kept for this problem (nan elsewhere)."""
+        out = torch.full((len(x), self.width), math.nan)
+        for ids, values in self._known.get(key, ()):
+            n = _lcp(ids, x)
+            hole = torch.isnan(out[:n, 0])
+            out[:n][hole] = values[:n][hole]
+        return out
+
+    def _ask(self, requests: dict[int, tuple[list[int], Optional[int]]]) -> dict[int, tuple[int, list]]:
+        engine = self.engine
+        rids = {}
+        for i, (x, start) in requests.items():
+            rid = engine.worker.new_rid("v")
+            engine._scores[rid] = None
+            engine.worker.send("values", rid, x, start, self.labels)
+            rids[i] = rid
+        engine._wait(lambda: all(engine._scores[r] is not None for r in rids.values()), "scores")
+        out = {}
+        for i, rid in rids.items():
+            msg = engine._scores.pop(rid)
+            if msg[0] == "error":
+                raise EngineError(f"{engine.worker.where}: SGLang scoring failed: {msg[2]}")
+            engine._count_prefix(msg[3])
+            self.requests += 1
+            self.tokens_run += (msg[3].get("prompt_tokens") or 0) - (msg[3].get("cached_tokens") or 0)
+            out[i] = (msg[2]["first"], msg[2]["values"])
+        return out

@@ -1,0 +1,85 @@
+"""`prm` and `llm_judge` on SGLang (issue 26): the same scores as on `hf` (float32, tiny
+random-weight models) to 1e-4, round after round of a growing trajectory, with SGLang's radix
+cache serving each problem's committed prefix (a round runs only the candidates' tokens).
+
+Engines: the session's shared tiny Qwen2 (conftest, judge and Math-Shepherd) and one tiny
+Qwen2 PRM built here (kvflow's `Qwen2ForProcessRewardModel` registered in SGLang's model
+registry by kvflow's plugin; a tokenizer with `<extra_0>` as one token)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from conftest import require_sglang
+from kvflow.components.base import ScorerContext
+from kvflow.config.schema import ModelConfig
+from kvflow_builtin.scorers.llm_judge import LLMJudgeScorer
+from kvflow_builtin.scorers.prm import PRMScorer
+from test_prm_prefix import assert_same, rounds, run, schedule
+
+
+@pytest.fixture(scope="module")
+def prm_dir(tmp_path_factory):
+    from test_scorers import save_prm
+
+    path = tmp_path_factory.mktemp("sglang-prm")
+    save_prm(path, seed=4)
+    return path
+
+
+def sglang_context(model_dir, engine=None):
+    from kvflow.backends.sglang import SGLangBackend
+
+    cfg = ModelConfig(backend="sglang", id=str(model_dir), dtype="float32", device="cpu", engine=engine or {})
+    return ScorerContext(load_session=lambda key: SGLangBackend.load(cfg, evicting=False).scoring_session(),
+                         proposers=["base"], seed=0, models={"prm": cfg, "judge": cfg})
+
+
+def hf_context(model_dir, runner=None):
+    cfg = ModelConfig(id=str(model_dir), dtype="float32", device="cpu")
+    return ScorerContext(load_session=lambda key: runner, proposers=["base"], seed=0, models={"prm": cfg, "judge": cfg})
+
+
+def test_qwen_prm_on_sglang_equals_hf(prm_dir):
+    require_sglang()
+    params = dict(model="prm", aggregate="min")
+    on_sglang = PRMScorer(PRMScorer.Params(**params),
+                          sglang_context(prm_dir, PRMScorer.engine_settings(PRMScorer.Params(**params), "sglang")))
+    on_hf = PRMScorer(PRMScorer.Params(**params, prefix_reuse=False), hf_context(prm_dir))
+    plan = schedule()
+    assert_same(run(on_sglang, plan), run(on_hf, plan))
+    # a round at 30 committed steps runs about as many tokens as one at 10: the radix cache
+    long = ["Step %d: x = %d + 1.\n\n" % (i, i) for i in range(40)]
+    costs = []
+    for k, pid in ((10, "a"), (11, "a"), (30, "b"), (31, "b")):
+        before = on_sglang.forward.tokens_run
+        on_sglang.score(rounds(pid, long[: k + 1])[k])
+        costs.append(on_sglang.forward.tokens_run - before)
+    assert costs[1] < costs[0] / 3 and costs[3] < costs[2] / 3, costs
+    # a fresh scorer (nothing kept) on prefixes the engine has cached asks again, capped: same scores
+    fresh = PRMScorer(PRMScorer.Params(**params), sglang_context(prm_dir, {"enable_return_hidden_states": True}))
+    assert_same(run(fresh, plan[:3]), run(on_hf, plan[:3]))
+
+
+@pytest.mark.parametrize("scorer", ["judge", "math-shepherd"])
+def test_causal_lm_scorers_on_sglang_equal_hf(scorer, shared_tiny_qwen, sglang_engine, hf_engine):
+    if scorer == "judge":
+        make = lambda ctx, **kw: LLMJudgeScorer(LLMJudgeScorer.Params(model="judge", **kw), ctx)  # noqa: E731
+    else:
+        make = lambda ctx, **kw: PRMScorer(PRMScorer.Params(model="prm", protocol="math-shepherd",  # noqa: E731
+                                                            aggregate="prod", **kw), ctx)
+    on_sglang = make(sglang_context(shared_tiny_qwen))
+    on_hf = make(hf_context(shared_tiny_qwen, hf_engine.scoring_session()), prefix_reuse=False)
+    plan = schedule()
+    got, want = run(on_sglang, plan), run(on_hf, plan)
+    assert_same(got, want)
+    assert len({round(x, 6) for r in want for x in r if not math.isnan(x)}) > 5
+
+
+def test_qwen_prm_on_sglang_refuses_a_causal_lm(shared_tiny_qwen):
+    from kvflow.errors import UserError
+
+    with pytest.raises(UserError, match="not a process reward model"):
+        PRMScorer(PRMScorer.Params(model="prm"), sglang_context(shared_tiny_qwen))
