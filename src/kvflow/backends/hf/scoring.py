@@ -13,7 +13,8 @@
   the judge's "(no steps yet)" becomes the first step, BPE merges across a step boundary, a
   chat template's closing tokens follow the last step --, extends it by the rest of the
   prefix the round's inputs share (one row: the committed step), and runs the candidates'
-  own tokens batched over it. Used by `prm` and `llm_judge` (their default, `prefix_reuse`).
+  own tokens packed into one row over it (a tree mask: each candidate sees the prefix and
+  itself), so the prefix's KV is read once, never copied per candidate. Used by `prm` and `llm_judge` (their default, `prefix_reuse`).
 - `PositionForward` runs whole sequences through the body with no cache (right padding,
   length-sorted chunks of bounded size): what `prefix_reuse: false` runs, and the reference
   the reuse is tested against.
@@ -188,7 +189,7 @@ class PrefixForward:
     body:  a transformers decoder stack (`Qwen2Model`, `HFRunner.body`) with full attention in
            every layer (a sliding-window layer forgets what a crop would need: refused).
     head:  final hidden states [k, hidden] -> [k, C] logits.
-    batch_tokens: most (candidate rows x (cached + new tokens)) per candidates' forward.
+    batch_tokens: most candidate tokens per forward (candidates are packed into one row).
     """
 
     def __init__(self, body: torch.nn.Module, head: Callable[[torch.Tensor], torch.Tensor], *,
@@ -239,11 +240,9 @@ class PrefixForward:
         suffix: dict[int, torch.Tensor] = {}
         todo = [i for i in idx if len(ids[i]) > n]
         for chunk in self._chunks(todo, ids, n):
-            rows = len(chunk)
-            batch = [(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1)) for k, v in st.kv] if n else None
-            _, new = self._forward(batch, [list(ids[i][n:]) for i in chunk], n, keep_kv=False)
-            for r, i in enumerate(chunk):
-                suffix[i] = new[r]
+            new = self._packed(st.kv, [list(ids[i][n:]) for i in chunk], n)
+            for i, values in zip(chunk, new):
+                suffix[i] = values
         for i in idx:
             pos = torch.as_tensor(list(positions[i]), dtype=torch.long)
             if len(pos) == 0:
@@ -253,14 +252,47 @@ class PrefixForward:
             out[i] = torch.stack(rows)
 
     def _chunks(self, todo: list[int], ids, n: int) -> list[list[int]]:
-        order = sorted(todo, key=lambda i: -len(ids[i]))
+        """Candidates packed into one row each, at most `batch_tokens` of their own tokens a row."""
         chunks: list[list[int]] = []
-        for i in order:
-            if chunks and (len(chunks[-1]) + 1) * len(ids[chunks[-1][0]]) <= self.batch_tokens:
+        used = 0
+        for i in todo:
+            k = len(ids[i]) - n
+            if chunks and used + k <= self.batch_tokens:
                 chunks[-1].append(i)
+                used += k
             else:
                 chunks.append([i])
+                used = k
         return chunks
+
+    def _packed(self, kv, seqs: list[list[int]], past: int) -> list[torch.Tensor]:
+        """Several candidates' own tokens in ONE row after the `past` cached tokens, each
+        attending to the prefix and causally to itself only (a tree mask; positions restart at
+        `past` for each): the prefix's KV is read once, not copied per candidate. Returns the
+        head's outputs [len(seq), C] per candidate."""
+        from transformers import DynamicCache
+
+        total = sum(len(x) for x in seqs)
+        input_ids = torch.as_tensor([t for x in seqs for t in x], dtype=torch.long)[None, :]  # [1, S]
+        positions = torch.cat([past + torch.arange(len(x)) for x in seqs])[None, :]  # [1, S]
+        allowed = torch.zeros(total, past + total, dtype=torch.bool)  # [S, past + S]
+        allowed[:, :past] = True
+        start = 0
+        for x in seqs:
+            block = torch.ones(len(x), len(x), dtype=torch.bool).tril()
+            allowed[start : start + len(x), past + start : past + start + len(x)] = block
+            start += len(x)
+        dtype = next(self.body.parameters()).dtype
+        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+        cache = DynamicCache(config=self.body.config)
+        for layer, (k, v) in enumerate(kv or ()):
+            cache.update(k, v, layer)
+        hidden = self.body(input_ids=input_ids.to(self.device), attention_mask=mask[None, None].to(self.device),
+                           position_ids=positions.to(self.device), use_cache=True,
+                           **{self.cache_keyword: cache}).last_hidden_state[0]  # [S, hidden]
+        self.tokens_run += total
+        head = self.head(hidden).float().cpu()  # [S, C]
+        return list(head.split([len(x) for x in seqs]))
 
     def _forward(self, kv, seqs: list[list[int]], past: int, keep_kv: bool = True):
         """Run seqs (right-padded) after `past` cached tokens (kv: per layer [rows, kv_heads,
