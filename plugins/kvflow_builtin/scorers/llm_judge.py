@@ -43,7 +43,8 @@ ANSWERS = ("Yes", "No")
 
 class JudgeParams(StepScorerParams):
     model: str = Field(..., description="Key of `models` holding the judge (an instruct model).")
-    batch_tokens: int = Field(16384, ge=1, description="Most padded tokens per judge forward.")
+    batch_tokens: int = Field(16384, ge=1, description="Most tokens per hf forward: candidates' own tokens per "
+                              "packed row with prefix_reuse, padded rows x width without.")
     prefix_reuse: bool = Field(
         True, description="Run only the tokens not seen before (each problem's shared prompt prefix is kept "
                           "between rounds). Off: every prompt is re-encoded (hf only).")

@@ -2,8 +2,13 @@
 
 Every request is rendered as the whole trajectory (committed steps + the candidate, each
 normalised by `_steps.steps_for`: whitespace and trailing delimiters stripped, empty steps
-dropped), run through the PRM in one batched forward per round (right padding, chunks of at
-most `batch_tokens` padded tokens), and read at each step's tag. The candidate's score is
+dropped) and read at each step's tag. Only tokens not seen before run (`prefix_reuse`, the
+default): on `hf` each problem keeps the shared prefix of its last round's inputs (KV and the
+head's outputs at every position) and a round runs the newly committed step once and each
+candidate's own tokens (`kvflow.backends.hf.scoring.PrefixForward`); on `sglang` the engine's
+radix cache holds that prefix and the values at cached tags are kept per problem
+(`kvflow.backends.sglang.scoring.PositionValues`). `prefix_reuse: false` (hf only) re-encodes
+every input in batched forwards (right padding, chunks of at most `batch_tokens` padded tokens). The candidate's score is
 `aggregate` (last | min | prod | mean) over its trajectory's step scores; a candidate that is
 empty after normalisation adds no step, so it gets the trajectory's score without it (nan,
 i.e. unscored, when there are no steps at all).
@@ -13,8 +18,11 @@ protocol `qwen25-math-prm` (Qwen/Qwen2.5-Math-PRM-7B, -72B):
     \\boxed{}.", user = question, assistant = steps joined with `<extra_0>` plus a trailing
     `<extra_0>`; chat template applied without a generation prompt; the model is a Qwen2 body
     with a two-class token head; step score = softmax(head logits)[1] at each `<extra_0>`.
-    Loaded by `kvflow.backends.hf.prm` (remote code only with `trust_remote_code: true`,
-    otherwise kvflow's own rebuild); a checkpoint without a PRM head is refused. Literal
+    On `hf` loaded by `kvflow.backends.hf.prm` (remote code only with `trust_remote_code:
+    true`, otherwise kvflow's own rebuild); on `sglang` served by kvflow's
+    `Qwen2ForProcessRewardModel` in SGLang's model registry (`kvflow.backends.sglang.prm_model`),
+    whose head's logits come back for every position the engine runs. A checkpoint without a
+    PRM head is refused on both. Literal
     `<extra_0>` inside the question or a step is removed so that tags match steps.
 
 protocol `math-shepherd` (peiyi9979/math-shepherd-mistral-7b-prm and causal-LM PRMs like it):
@@ -25,7 +33,9 @@ protocol `math-shepherd` (peiyi9979/math-shepherd-mistral-7b-prm and causal-LM P
     tag position is the last token holding the tag's last character (character offsets of
     the encoding): with the Math-Shepherd tokenizer that is the single "ки" token; a tokenizer
     without that token (e.g. byte-level BPE) splits the tag into several tokens, and its last
-    one is read — such a model has never seen the tag, so only use it for tests.
+    one is read — such a model has never seen the tag, so only use it for tests. On `sglang`
+    the label log-probabilities come from the engine (`token_ids_logprob`); the model may be a
+    proposer's, sharing its engine.
 """
 
 from __future__ import annotations
@@ -49,7 +59,8 @@ class PRMParams(StepScorerParams):
         "last", description="How the trajectory's step scores combine into the candidate's score.")
     protocol: Literal["qwen25-math-prm", "math-shepherd"] = Field(
         "qwen25-math-prm", description="How steps are tagged and read (see the module docstring).")
-    batch_tokens: int = Field(16384, ge=1, description="Most padded tokens per PRM forward.")
+    batch_tokens: int = Field(16384, ge=1, description="Most tokens per hf forward: candidates' own tokens per "
+                              "packed row with prefix_reuse, padded rows x width without.")
     prefix_reuse: bool = Field(
         True, description="Run only the tokens not seen before: each problem's shared prefix (its KV and the "
                           "head's outputs) is kept between rounds. Off: every trajectory is re-encoded (hf only).")
