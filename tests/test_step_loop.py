@@ -322,9 +322,11 @@ def test_problems_advance_on_their_own_and_finish_out_of_order():
 
 
 def test_rows_leave_the_batch_without_copies(monkeypatch):
-    """The hot path: a proposal's fork is one select (n row copies) and nothing else is
-    copied while rows end at different steps, and every decode step is one forward over the
-    live rows of all proposals (no per-row forwards)."""
+    """The hot path: a proposal's fork is one copy of the state's row into n rows of the
+    engine's row pool, and nothing else is copied while rows end at different steps; every
+    decode step is one forward over the live rows of all proposals (no per-row forwards),
+    with one part (one attention call per layer) for all of them; released proposals give
+    their rows back, and later forks reuse them instead of growing the pool."""
     from kvflow.backends.hf.cache import BudgetedCache
     from kvflow.backends.hf.engine import HFRunner
     from kvflow.components.engine import ProposeRequest, StartRequest
@@ -335,11 +337,13 @@ def test_rows_leave_the_batch_without_copies(monkeypatch):
     states = engine.start([StartRequest(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
                                                                 add_generation_prompt=True), ev, i)
                            for i, q in enumerate(MORE_QUESTIONS[:4])])
-    selects, forwards = [], []
-    original_select, original_step = BudgetedCache.select, HFRunner.decode_step
+    copies, selects, forwards = [], [], []
+    original_copy, original_select, original_step = BudgetedCache.copy_rows, BudgetedCache.select, HFRunner.decode_step
+    monkeypatch.setattr(BudgetedCache, "copy_rows", lambda self, dst, src, rows: (copies.append(len(rows)),
+                                                                                   original_copy(self, dst, src, rows))[1])
     monkeypatch.setattr(BudgetedCache, "select", lambda self, rows: (selects.append(len(rows)),
                                                                        original_select(self, rows))[1])
-    monkeypatch.setattr(HFRunner, "decode_step", lambda self, parts, tokens: (forwards.append(len(tokens)),
+    monkeypatch.setattr(HFRunner, "decode_step", lambda self, parts, tokens: (forwards.append((len(parts), len(tokens))),
                                                                                original_step(self, parts, tokens))[1])
     s = spec("base", n=3, temperature=1.0, max_step_tokens=12)
     engine.submit([ProposeRequest(st, "base", s, 10 + i, 3 + 2 * i) for i, st in enumerate(states)])  # rooms 3..9
@@ -347,6 +351,18 @@ def test_rows_leave_the_batch_without_copies(monkeypatch):
     while engine.busy_rows():
         done += engine.step()
     assert len(done) == 4 and sorted(len(p.candidates) for p in done) == [3, 3, 3, 3]
-    assert selects == [3, 3, 3, 3]  # the forks, and nothing while rows ended
-    assert forwards[0] == 12 and forwards == sorted(forwards, reverse=True) and len(forwards) <= 9
-    assert min(forwards) < 12  # rows really left as they ended
+    assert copies == [3, 3, 3, 3] and selects == []  # the forks, and nothing while rows ended
+    assert {parts for parts, _ in forwards} == {1}  # four proposals, one part
+    widths = [rows for _, rows in forwards]
+    assert widths[0] == 12 and widths == sorted(widths, reverse=True) and len(widths) <= 9
+    assert min(widths) < 12  # rows really left as they ended
+    (pool,) = [p for _, p in engine.pools.values()]
+    assert pool.cache.n_rows == 16  # 12 rows in use: grown once (8, then doubled)
+    adopted = done[0].handle.select([1])  # adoption copies one row out
+    assert selects == [1] and adopted.n_rows == 1
+    engine.release([], done)
+    del done
+    engine.submit([ProposeRequest(st, "base", s, 20 + i, 3) for i, st in enumerate(states)])
+    while engine.busy_rows():
+        engine.step()
+    assert pool.cache.n_rows == 16  # the released rows were reused

@@ -112,8 +112,8 @@ class LayerAllocation:
         if not len(rows):
             return
         generators = [
-            torch.Generator().manual_seed((int(k) * 1_000_003 + int(c)) % 2**63)
-            for k, c in zip(self.rows.rng_keys[rows], self.rows.compactions[rows])
+            torch.Generator().manual_seed((k * 1_000_003 + c) % 2**63)  # host ints: no op per row
+            for k, c in zip(self.rows.rng_keys[rows].tolist(), self.rows.compactions[rows].tolist())
         ]
         for layer_idx in range(len(self.layers)):
             self._compact_varying(layer_idx, rows, generators)

@@ -41,12 +41,26 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvflow.backends.hf.allocation import LayerAllocation
 from kvflow.backends.hf.quant import QuantizedStore
-from kvflow.backends.hf.rows import RowState, WritePlan
+from kvflow.backends.hf.rows import RowState, WritePlan, new_rows
 from kvflow.components.allocation import hole_index
 from kvflow.components.base import Evictor
 from kvflow.kv_memory import n_quantized
 
-_GROW = 256  # capacity step for unbounded (full-KV) caches
+_GROW = 256  # capacity granule for unbounded (full-KV) caches
+
+
+def grown_capacity(current: int, need: int) -> int:
+    """The capacity an unbounded cache grows to when it needs `need` slots: at least double
+    the current one (rounded up to `_GROW`), so a cache that grows token by token copies its
+    storage O(log n) times, not every `_GROW` tokens."""
+    return max(-(-need // _GROW) * _GROW, 2 * current)
+
+
+def _pad_rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """t with zero rows appended up to n rows (dim 0)."""
+    out = t.new_zeros(n, *t.shape[1:])
+    out[: t.shape[0]] = t
+    return out
 
 
 class BudgetedLayer(CacheLayerMixin):
@@ -269,21 +283,104 @@ class BudgetedCache(LayerAllocation, Cache):
     def select(self, rows: torch.Tensor | Sequence[int]) -> "BudgetedCache":
         """A new cache holding copies of the given rows (fork a row N ways by repeating it)."""
         rows = torch.as_tensor(rows, dtype=torch.long)
-        out = BudgetedCache(self.evictor, len(self.layers), self.rows.select(rows), self.device, self.capacity,
+        capacity = self.capacity
+        if not self.evictor.bounded:  # an unbounded cache (a row pool's, say) may hold far more slots than these rows use
+            used = int(self.rows.lengths.index_select(0, rows).max()) + 1 if len(rows) else 1
+            capacity = min(self.capacity, -(-(used + 1) // _GROW) * _GROW)
+        out = BudgetedCache(self.evictor, len(self.layers), self.rows.select(rows), self.device, capacity,
                             self.kv_heads)
         dev_rows = rows.to(self.device)
+        cut = slice(None) if self.evictor.bounded else slice(0, capacity)  # bounded layers may differ in capacity
         for src, dst in zip(self.layers, out.layers):
             if src.is_initialized:
-                dst.keys = src.keys.index_select(0, dev_rows)
-                dst.values = src.values.index_select(0, dev_rows)
+                dst.keys = src.keys[:, :, cut].index_select(0, dev_rows)
+                dst.values = src.values[:, :, cut].index_select(0, dev_rows)
                 if src.qstore is not None:
                     dst.qstore = src.qstore.map_rows(lambda t: t.index_select(0, dev_rows))
                 if src.stats is not None:
-                    dst.stats = src.stats.index_select(0, dev_rows)
+                    dst.stats = src.stats[:, :, cut].index_select(0, dev_rows)
                 dst.is_initialized = True
             if src.queries is not None:
                 dst.queries = src.queries.index_select(0, dev_rows)
         return out
+
+    def add_rows(self, n: int) -> torch.Tensor:
+        """n empty rows (length 0, zero storage) appended in place: their ids [n] int64. The
+        storage is copied once (a row pool grows geometrically, see `RowPool`)."""
+        old, total = self.n_rows, self.n_rows + n
+        extra = new_rows(n)
+        if self.varies:
+            extra = extra.with_allocation(len(self.layers), self.kv_heads)
+        self.rows = RowState.cat([self.rows, extra])
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.keys, layer.values = _pad_rows(layer.keys, total), _pad_rows(layer.values, total)
+                if layer.stats is not None:
+                    layer.stats = _pad_rows(layer.stats, total)
+                if layer.qstore is not None:
+                    layer.qstore = layer.qstore.map_rows(lambda t: _pad_rows(t, total))
+            if layer.queries is not None:
+                layer.queries = _pad_rows(layer.queries, total)
+        return torch.arange(old, total)
+
+    def reserve(self, slots: int) -> None:
+        """An unbounded cache: room for `slots` slots per row (scratch slot included) from now
+        on, grown geometrically (`grown_capacity`), so forwards up to there copy nothing."""
+        if not self.evictor.bounded and slots > self.capacity:
+            self.capacity = grown_capacity(self.capacity, slots)
+            for layer in self.layers:
+                if layer.is_initialized:
+                    layer._grow(self.capacity)
+
+    def copy_rows(self, dst: torch.Tensor, src: "BudgetedCache", src_rows: torch.Tensor) -> None:
+        """Rows `src_rows` of `src` (same evictor and model) written over rows `dst` of this
+        cache, storage and bookkeeping (a fork: `src_rows` repeats one row). A bounded cache
+        copies whole rows (so nothing of a row's previous occupant survives, e.g. H2O
+        statistics past its length); an unbounded one copies the resident slots only, after
+        `reserve()` made room for them."""
+        for f in RowState.__dataclass_fields__:
+            getattr(self.rows, f)[dst] = getattr(src.rows, f).index_select(0, src_rows)
+        bounded = self.evictor.bounded
+        used = int(src.rows.lengths.index_select(0, src_rows).max()) if len(src_rows) else 0
+        if not bounded:
+            self.reserve(used + 1)
+        dev_dst, dev_src = dst.to(self.device), src_rows.to(self.device)
+
+        def put(d: torch.Tensor, s: Optional[torch.Tensor], slots: Optional[int] = None) -> None:
+            if s is None:  # the source never ran a forward: an empty row
+                d.index_fill_(0, dev_dst, 0)
+                return
+            n = min(d.shape[2], s.shape[2]) if d.dim() > 2 else None
+            if slots is not None:
+                n = slots
+            elif n is not None and n < d.shape[2]:  # a longer destination: no stale tail
+                d.index_fill_(0, dev_dst, 0)
+            if n is not None:
+                d, s = d.narrow(2, 0, n), s.narrow(2, 0, n)
+            d.index_copy_(0, dev_dst, s.index_select(0, dev_src))
+
+        for s_layer, d_layer in zip(src.layers, self.layers):
+            if s_layer.is_initialized and not d_layer.is_initialized:
+                d_layer.lazy_initialization(s_layer.keys.new_empty(self.n_rows, *s_layer.keys.shape[1:2], 1, s_layer.keys.shape[3]),
+                                            s_layer.values.new_empty(self.n_rows, 1, 1, s_layer.values.shape[3]))
+                if not bounded and d_layer.keys.shape[2] < self.capacity:
+                    d_layer._grow(self.capacity)
+            if d_layer.is_initialized:
+                ready = s_layer.is_initialized
+                slots = None if bounded else used
+                put(d_layer.keys, s_layer.keys if ready else None, slots)
+                put(d_layer.values, s_layer.values if ready else None, slots)
+                if d_layer.stats is not None:
+                    if not bounded:
+                        d_layer.stats.index_fill_(0, dev_dst, 0)
+                    put(d_layer.stats, s_layer.stats if ready else None, slots)
+                if d_layer.qstore is not None:
+                    for f in d_layer.qstore.FIELDS:
+                        put(getattr(d_layer.qstore, f), getattr(s_layer.qstore, f) if ready else None)
+            if s_layer.queries is not None and d_layer.queries is None:
+                d_layer.queries = s_layer.queries.new_zeros(self.n_rows, *s_layer.queries.shape[1:])
+            if d_layer.queries is not None:
+                put(d_layer.queries, s_layer.queries)
 
     @staticmethod
     def cat(caches: Sequence["BudgetedCache"]) -> "BudgetedCache":
@@ -296,8 +393,8 @@ class BudgetedCache(LayerAllocation, Cache):
             parts = [c.layers[i] for c in caches]
             ready = [p for p in parts if p.is_initialized]
             if ready:  # a part that never ran a forward holds nothing yet: zeros of its row count
-                for p in ready:
-                    if p.keys.shape[2] < capacity:
+                for p in ready:  # bounded caches of one evictor have one capacity (a quantized one's keys hold fewer slots)
+                    if not first.evictor.bounded and p.keys.shape[2] < capacity:
                         p._grow(capacity)
                 ref = ready[0]
 
@@ -361,8 +458,8 @@ class BudgetedCache(LayerAllocation, Cache):
         if self.evictor.bounded:
             if bool((step_lens > self.room()).any()):
                 raise RuntimeError("BudgetedCache: forward would exceed budget + buffer; chunk the input")
-        elif int(new_lengths.max()) + 1 > self.capacity:
-            self.capacity = (int(new_lengths.max()) // _GROW + 2) * _GROW
+        elif int(new_lengths.max()) + 1 > self.capacity:  # +1: the scratch slot
+            self.capacity = grown_capacity(self.capacity, int(new_lengths.max()) + 1)
         if self.varies:
             self._layer_plans = [self._layer_plan(l, step_lens, width) for l in range(len(self.layers))]
             self._write_plan = self._layer_plans[0]
@@ -432,8 +529,8 @@ class BudgetedCache(LayerAllocation, Cache):
         n = int(lengths.max())
         dev_rows = rows.to(self.device)
         generators = [
-            torch.Generator().manual_seed((int(k) * 1_000_003 + int(c)) % 2**63)
-            for k, c in zip(self.rows.rng_keys[rows], self.rows.compactions[rows])
+            torch.Generator().manual_seed((k * 1_000_003 + c) % 2**63)  # host ints: no op per row
+            for k, c in zip(self.rows.rng_keys[rows].tolist(), self.rows.compactions[rows].tolist())
         ]
         if self.varies:
             for layer_idx in range(len(self.layers)):

@@ -3,11 +3,13 @@
 `HFEngine` implements `kvflow.components.engine.Engine` over one `HFRunner`. A problem's
 state is a one-row `BudgetedCache` plus its pending token (the newest token, not yet cached).
 A submitted proposal waits in a queue until it fits in the decode batch; it then forks its
-state `n` ways (one copy of a row each: O(budget + buffer) for an evicted state) and is
-decoded every step, together with every other running proposal of any proposer on this
-model, in one forward over their live rows (`HFRunner.decode_step`: each proposal attends
-over its own slots). A row that ends stops being fed and keeps its cache in place for
-adoption; nothing else moves. Per-token work (sampling, stop rules, bookkeeping) is batched
+state `n` ways into free rows of the engine's row pool for that evictor (one copy of the
+row's resident slots each: O(budget + buffer) for an evicted state;
+`kvflow.backends.hf.decode_batch.RowPool`) and is decoded every step, together with every
+other running proposal of any proposer on this model, in one forward over their live rows
+(`HFRunner.decode_step`: one attention call per layer and pool, however many proposals). A
+row that ends stops being fed and keeps its cache in place for adoption; nothing else moves;
+its rows go back to the pool when the proposal is released. Per-token work (sampling, stop rules, bookkeeping) is batched
 tensor ops over the engine's row table, with one host sync per step (which rows ended).
 """
 
@@ -20,6 +22,7 @@ from typing import Optional, Sequence
 import torch
 
 from kvflow.backends.hf.cache import BudgetedCache
+from kvflow.backends.hf.decode_batch import PoolRows, RowPool
 from kvflow.backends.hf.engine import HFRunner
 from kvflow.backends.hf.sampling import DelimiterTable, sample, uniforms
 from kvflow.components.base import Candidate, Evictor, EvictorParams, StepTrace
@@ -48,13 +51,18 @@ class _FullContext(Evictor):
 
 
 class _Running:
-    """A proposal being decoded: its forked cache and its rows in the engine's row table."""
+    """A proposal being decoded: its rows in a row pool and in the engine's row table."""
 
-    def __init__(self, request: ProposeRequest, cache: BudgetedCache, rows: torch.Tensor) -> None:
-        self.request, self.cache, self.rows = request, cache, rows  # rows: [n] int64 row-table ids
+    def __init__(self, request: ProposeRequest, held: PoolRows, rows: torch.Tensor) -> None:
+        self.request, self.held, self.rows = request, held, rows  # rows: [n] int64 row-table ids
         self.live = torch.arange(len(rows))  # local rows still decoding
         self.texts = [""] * len(rows) if _needs_text(request.spec) else None
         self.signals: list[dict[str, list[float]]] = [{} for _ in rows]
+
+    @property
+    def cache(self) -> PoolRows:
+        """The proposal's rows (inspection: lengths, bytes; see `PoolRows`)."""
+        return self.held
 
 
 def _needs_text(spec) -> bool:
@@ -113,6 +121,7 @@ class HFEngine:
         self.table = _RowTable()
         self.waiting: deque[ProposeRequest] = deque()
         self.running: list[_Running] = []
+        self.pools: dict[int, tuple[Evictor, RowPool]] = {}  # id(evictor) -> (evictor, its pool)
         self._eos = torch.as_tensor(sorted(runner.eos_ids), dtype=torch.long)
         self._delimiters: dict[str, DelimiterTable] = {}
         self.forwards = 0  # decode forwards run
@@ -122,6 +131,7 @@ class HFEngine:
         """Forget queued and running proposals (a run that was interrupted left them)."""
         self.waiting.clear()
         self.running.clear()
+        self.pools = {}
         self.table = _RowTable()
 
     # ------------------------------------------------------------------ text and shapes
@@ -211,8 +221,10 @@ class HFEngine:
         self._admit(max_rows)
         if not self.running:
             return []
-        parts = [(r.cache, r.live) for r in self.running]
-        rows = torch.cat([r.rows[r.live] for r in self.running])  # [L] row-table ids, forward order
+        order, bounds = self._order()
+        parts = [(pool.cache, torch.cat([self.running[i].held.ids[self.running[i].live] for i in idx]))
+                 for pool, idx in self._by_pool()]  # one part per pool: its live rows, forward order
+        rows = torch.cat([self.running[i].rows[self.running[i].live] for i in order])  # [L] row-table ids
         t = self.table
         running = {r.request.proposer for r in self.running}  # named in pipeline order (the label's)
         names = "+".join([n for n in self.label.split("+") if n in running] or sorted(running))
@@ -249,11 +261,8 @@ class HFEngine:
         t.finish[rows] = finish
         ended = (finish != _LIVE).tolist()  # the step's one host sync
         done: list[Proposal] = []
-        start = 0
-        for r in list(self.running):
-            k = len(r.live)
-            mine = ended[start : start + k]
-            start += k
+        for r, (a, b) in zip(list(self.running), bounds):
+            mine = ended[a:b]
             if any(mine):
                 r.live = r.live[~torch.as_tensor(mine)]
                 if not len(r.live):
@@ -261,23 +270,50 @@ class HFEngine:
                     done.append(self._finish(r))
         return done
 
+    def _pool(self, evictor: Evictor) -> RowPool:
+        entry = self.pools.get(id(evictor))
+        if entry is None:  # the evictor is kept with its pool, so its id stays its own
+            pool = RowPool(evictor, self.runner.num_layers, self.runner.device, self.runner.kv_shape()[1])
+            entry = self.pools[id(evictor)] = (evictor, pool)
+        return entry[1]
+
+    def _by_pool(self) -> list[tuple[RowPool, list[int]]]:
+        """Running proposals grouped by row pool (first appearance order): indices into running."""
+        return [(self.running[idx[0]].held.pool, idx) for _, idx in _groups(self.running, lambda r: id(r.held.pool))]
+
+    def _order(self) -> tuple[list[int], list[tuple[int, int]]]:
+        """This step's forward order (running proposals pool by pool) and each running
+        proposal's [start, end) among the forward's rows."""
+        order = [i for _, idx in self._by_pool() for i in idx]
+        bounds: list[tuple[int, int]] = [(0, 0)] * len(self.running)
+        start = 0
+        for i in order:
+            k = len(self.running[i].live)
+            bounds[i] = (start, start + k)
+            start += k
+        return order, bounds
+
     def _admit(self, max_rows: Optional[int]) -> None:
+        for _, pool in self.pools.values():
+            pool.reclaim()
         busy = sum(len(r.live) for r in self.running)
         while self.waiting and (max_rows is None or not self.running or busy + self.waiting[0].spec.n <= max_rows):
             req = self.waiting.popleft()
             spec, state = req.spec, req.state
             n = spec.n
-            cache = state.cache.select([0] * n)  # fork: one row copy per candidate
-            cache.rows.rng_keys = torch.as_tensor([row_seed(int(state.cache.rows.rng_keys[0]), i) for i in range(n)])
+            cap = min(spec.max_step_tokens, max(1, req.token_room))
+            seed = int(state.cache.rows.rng_keys[0])
+            # fork: one copy of the state's row per candidate, into free rows of the pool
+            held = self._pool(state.cache.evictor).fork(state.cache, n, [row_seed(seed, i) for i in range(n)], cap)
             rows = self.table.alloc(n, spec.max_step_tokens)
             t = self.table
             t.count[rows] = 0
-            t.cap[rows] = min(spec.max_step_tokens, max(1, req.token_room))
+            t.cap[rows] = cap
             t.state[rows] = 0
             t.seed[rows] = torch.as_tensor([row_seed(req.seed, i) for i in range(n)])
             t.finish[rows] = _LIVE
             t.pending[rows] = state.pending
-            self.running.append(_Running(req, cache, rows))
+            self.running.append(_Running(req, held, rows))
             busy += n
 
     def _sample(self, logits: torch.Tensor, rows: torch.Tensor):
@@ -300,9 +336,7 @@ class HFEngine:
 
     def _spans(self) -> list[torch.Tensor]:
         """Positions of each running proposal's live rows in this step's forward."""
-        sizes = [len(r.live) for r in self.running]
-        bounds = [0] + torch.tensor(sizes).cumsum(0).tolist()
-        return [torch.arange(bounds[i], bounds[i + 1]) for i in range(len(sizes))]
+        return [torch.arange(a, b) for a, b in self._order()[1]]
 
     def _prune(self, group: list[_Running], rows: torch.Tensor, finish: torch.Tensor) -> torch.Tensor:
         """Run the pruners of one proposer over the rows of its running proposals that are
@@ -346,7 +380,7 @@ class HFEngine:
                 text=self.runner.decode(ids[:-1] if code == _EOS else ids), logprobs=logprobs[i][:n],
                 entropies=entropies[i][:n], finish=finish, signals=r.signals[i]))
         t.release(r.rows)
-        return Proposal(r.request, cands, handle=r.cache)
+        return Proposal(r.request, cands, handle=r.held)
 
     def _delimiter(self, delimiter: str) -> DelimiterTable:
         table = self._delimiters.get(delimiter)

@@ -1,41 +1,133 @@
-"""One decode forward over the live rows of several budgeted caches of one model.
+"""One decode forward over the live rows of an engine's running proposals.
 
-`HFRunner.decode_step` builds a `DecodeBatch` from the live rows of every running proposal
-(`kvflow.backends.hf.cache.BudgetedCache` parts) and passes it to the model as its cache;
-kvflow's attention function calls `attend()`, which attends part by part.
+The candidate rows of every running proposal of an `HFEngine` that share an evictor live in
+one `RowPool`: one `BudgetedCache` whose rows are handed out to proposals (a fork copies the
+problem's state into n free rows) and handed back when the proposal's handle is dropped. A
+decode step is one `DecodeBatch` over the pools' live rows, and kvflow's attention function
+calls `attend()`, which writes the new keys and values and runs one attention call per layer
+and pool, whatever the number of proposals (issue 25: a GPU runs a fixed number of kernels
+per layer instead of ~10 per proposal). Rows differ in length: the write plan's per-row mask
+is turned into an additive float mask once per step (sdpa would convert a boolean mask at
+every layer, and CUDA's memory-efficient kernel takes a float mask as it is).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import heapq
+import weakref
+from collections import deque
+from typing import Optional, Sequence
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvflow.backends.hf.cache import BudgetedCache
+from kvflow.backends.hf.rows import new_rows
+
+
+class RowPool:
+    """The rows of every running proposal of one engine with one evictor, in one cache.
+
+    Rows are reused lowest-first; the pool grows geometrically (a copy of its storage each
+    time it doubles), and an unbounded pool reserves, at each fork, the slots its new rows
+    can reach (`length + token cap + 1`), so no decode step grows it. Rows of a proposal that
+    has ended stay as they are until its handle (`PoolRows`) is dropped: they sit in the
+    attention call (their output is not used) but are not written.
+    """
+
+    def __init__(self, evictor, num_layers: int, device, kv_heads: int) -> None:
+        self.cache = BudgetedCache(evictor, num_layers, new_rows(0), device, kv_heads=kv_heads)
+        self.free: list[int] = []  # a heap of free row ids
+        self.returned: deque = deque()  # rows whose handle was dropped (appended from any thread)
+
+    def fork(self, state: BudgetedCache, n: int, rng_keys: Sequence[int], room: int) -> "PoolRows":
+        """n copies of row 0 of `state` in free rows, each with its own evictor seed; `room`
+        is the most tokens a row will append (an unbounded pool makes room for them now)."""
+        self.reclaim()
+        cache = self.cache
+        if len(self.free) < n:
+            have = cache.n_rows
+            grow = max(have, n - len(self.free), 8)  # at least double: O(log rows) copies
+            for r in cache.add_rows(grow).tolist():
+                heapq.heappush(self.free, r)
+        rows = torch.as_tensor(sorted(heapq.heappop(self.free) for _ in range(n)), dtype=torch.long)
+        if not cache.evictor.bounded:
+            cache.reserve(int(state.rows.lengths[0]) + room + 1)
+        cache.copy_rows(rows, state, torch.zeros(n, dtype=torch.long))
+        cache.rows.rng_keys[rows] = torch.as_tensor(list(rng_keys), dtype=torch.long)
+        return PoolRows(self, rows)
+
+    def reclaim(self) -> None:
+        """Rows handed back since the last call become free (length 0: out of the attention's span)."""
+        while self.returned:
+            rows = self.returned.popleft()
+            self.cache.rows.lengths[rows] = 0
+            for r in rows.tolist():
+                heapq.heappush(self.free, r)
+
+
+class PoolRows:
+    """A proposal's rows in a `RowPool` (the `Proposal.handle` of the hf engine): what
+    adoption reads (`select`) and inspection asks (`head_lengths`, `resident_bytes`). The
+    rows go back to the pool when this object is dropped (`HFEngine.release`)."""
+
+    def __init__(self, pool: RowPool, rows: torch.Tensor) -> None:
+        self.pool, self.ids = pool, rows  # ids: [n] int64 pool rows
+        weakref.finalize(self, pool.returned.append, rows)
+
+    @property
+    def evictor(self):
+        return self.pool.cache.evictor
+
+    @property
+    def layers(self):
+        return self.pool.cache.layers
+
+    @property
+    def rows(self):
+        """These rows' bookkeeping (a copy: `RowState`)."""
+        return self.pool.cache.rows.select(self.ids)
+
+    @property
+    def n_rows(self) -> int:
+        return len(self.ids)
+
+    def select(self, rows: Sequence[int]) -> BudgetedCache:
+        """Copies of some of these rows as a cache of their own (adoption)."""
+        return self.pool.cache.select(self.ids[torch.as_tensor(rows, dtype=torch.long)])
+
+    def head_lengths(self, layer_idx: int) -> torch.Tensor:
+        return self.pool.cache.head_lengths(layer_idx).index_select(0, self.ids)
+
+    def resident(self, layer_idx: int, rows: torch.Tensor):
+        return self.pool.cache.resident(layer_idx, self.ids[rows])
+
+    def resident_bytes(self) -> int:
+        cache = self.pool.cache
+        return cache.resident_bytes() * len(self.ids) // max(cache.n_rows, 1)
 
 
 class DecodeBatch(Cache):
-    """One decode forward over the live rows of several caches of one model ("parts": the
-    candidate rows of every proposal being decoded, whatever proposer they belong to).
+    """One decode forward over the live rows of several caches of one model ("parts": an
+    engine's row pools, or any caches).
 
-    The model runs on the live rows only ([L, 1] tokens, L = live rows of all parts); each
-    part keeps its own storage, evictor and bookkeeping, and attention runs part by part over
-    that part's own span (`attend()`, called by kvflow's attention function), so nothing is
-    padded to another part's length or copied into a joint tensor. A part's rows that have
-    ended stay where they are (their state is kept for adoption): their pending write goes to
-    the part's scratch slot and their attention output is dropped.
+    The model runs on the live rows only ([L, 1] tokens, L = live rows of all parts, part by
+    part); attention runs once per layer and part over all of the part's rows (rows that are
+    not live attend with a zero query; their output is dropped), so nothing is copied into a
+    joint tensor. A row that is not live is not written: its pending write goes to the part's
+    scratch slot.
     """
 
     def __init__(self, parts: Sequence[tuple[BudgetedCache, torch.Tensor]]) -> None:
-        # parts: (cache, live rows of that cache [k] int64, ascending)
+        # parts: (cache, its live rows [k] int64, in forward order)
         self.parts = []
         for cache, live in parts:
-            full = len(live) == cache.n_rows
-            step_lens = torch.zeros(cache.n_rows, dtype=torch.long)
+            n = cache.n_rows
+            full = len(live) == n and bool((live == torch.arange(n)).all())
+            step_lens = torch.zeros(n, dtype=torch.long)
             step_lens[live] = 1
             cache.begin_forward(step_lens, 1)
-            self.parts.append((cache, live.to(cache.device), full, step_lens))
+            self.parts.append(_Part(cache, live.to(cache.device), full, step_lens))
         self.counts = [len(live) for _, live in parts]
         super().__init__(layers=[_DecodeLayer() for _ in range(len(parts[0][0].layers))])
 
@@ -43,30 +135,52 @@ class DecodeBatch(Cache):
         return key_states, value_states  # written part by part in attend()
 
     def attend(self, attention, module, query, key, value, **kwargs):
-        """Write each part's new keys and values and attend over the part's own slots.
+        """Write each part's new keys and values and attend over all of its rows at once.
 
         query: [L, q_heads, 1, D]; key, value: [L, kv_heads, 1, D] (post-RoPE, live rows in
         part order); attention: the sdpa forward; returns ([L, 1, q_heads, D], None)."""
         layer_idx = module.layer_idx
         scaling = kwargs.get("scaling") or getattr(module, "scaling", None) or query.shape[-1] ** -0.5
         outs = []
-        for (cache, live, full, _), q, k, v in zip(self.parts, query.split(self.counts), key.split(self.counts),
-                                                   value.split(self.counts)):
-            if not full:  # ended rows get zeros: a scratch-slot write and an output that is dropped
+        for part, q, k, v in zip(self.parts, query.split(self.counts), key.split(self.counts),
+                                 value.split(self.counts)):
+            cache, live = part.cache, part.live
+            if not part.full:  # rows that are not live: a zero query and key, written to the scratch slot
                 q, k, v = (x.new_zeros(cache.n_rows, *x.shape[1:]).index_copy_(0, live, x) for x in (q, k, v))
             layer = cache.layers[layer_idx]
-            keys, values = layer.update(k, v)
+            keys, values = layer.update(k, v)  # [rows, kv_heads, span, D]
             if cache.query_window:
                 layer.record_queries(q)
             if cache.observes:
                 layer.observe(q, keys, scaling, layer_idx)
-            out, _ = attention(module, q, keys, values, cache.attention_mask(layer_idx, q.shape[1]), **kwargs)  # [rows, 1, heads, D]
-            outs.append(out if full else out.index_select(0, live))
-        return torch.cat(outs), None
+            out, _ = attention(module, q, keys, values, part.mask(layer_idx, q), **kwargs)  # [rows, 1, heads, D]
+            outs.append(out if part.full else out.index_select(0, live))
+        return torch.cat(outs) if len(outs) > 1 else outs[0], None
 
     def end_forward(self) -> None:
-        for cache, _, _, step_lens in self.parts:
-            cache.end_forward(step_lens)
+        for part in self.parts:
+            part.cache.end_forward(part.step_lens)
+
+
+class _Part:
+    """One cache of a DecodeBatch and its step's additive masks (built once per step, or
+    once per layer for allocations that vary by layer)."""
+
+    def __init__(self, cache: BudgetedCache, live: torch.Tensor, full: bool, step_lens: torch.Tensor) -> None:
+        self.cache, self.live, self.full, self.step_lens = cache, live, full, step_lens
+        self._masks: dict[int, Optional[torch.Tensor]] = {}
+
+    def mask(self, layer_idx: int, query: torch.Tensor) -> Optional[torch.Tensor]:
+        """[rows, 1 or q_heads, 1, span] in the query's dtype: 0 where a key is attended, the
+        dtype's lowest value elsewhere (not -inf: a free row, with no key, gets no NaN)."""
+        key = layer_idx if self.cache.varies else 0
+        if key not in self._masks:
+            mask = self.cache.attention_mask(layer_idx, query.shape[1])  # bool or None
+            if mask is not None:
+                mask = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill_(
+                    ~mask, torch.finfo(query.dtype).min)
+            self._masks[key] = mask
+        return self._masks[key]
 
 
 class _DecodeLayer(CacheLayerMixin):
