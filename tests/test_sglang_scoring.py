@@ -83,3 +83,27 @@ def test_qwen_prm_on_sglang_refuses_a_causal_lm(shared_tiny_qwen):
 
     with pytest.raises(UserError, match="not a process reward model"):
         PRMScorer(PRMScorer.Params(model="prm"), sglang_context(shared_tiny_qwen))
+
+
+def test_a_prm_engine_on_sglang_gets_hidden_states_and_keeps_its_own_settings():
+    """compile.scorer_engines: the PRM's SGLang engine is asked for enable_return_hidden_states
+    (the head's outputs come back that way), under the entry's own settings; hf entries and
+    causal-LM protocols are left alone. No engine starts."""
+    from conftest import REPO
+    from kvflow.config import load_pipeline
+    from kvflow.runtime.compile import scorer_engines
+
+    loaded = load_pipeline(REPO / "pipelines" / "sglang" / "kv_rescue.yaml")
+    prm = scorer_engines(loaded).pipeline.models["prm"]
+    assert prm.engine == {"enable_return_hidden_states": True, "mem_fraction_static": 0.3}
+    assert scorer_engines(loaded).pipeline.models["helper"] == loaded.pipeline.models["helper"]
+    on_hf = load_pipeline(REPO / "pipelines" / "kv_rescue.yaml")
+    assert scorer_engines(on_hf).pipeline.models["prm"].engine == on_hf.pipeline.models["prm"].engine
+    assert PRMScorer.engine_settings(PRMScorer.Params(model="m", protocol="math-shepherd"), "sglang") == {}
+
+
+def test_prefix_reuse_false_on_sglang_is_refused_naming_the_field(shared_tiny_qwen, sglang_engine):
+    from kvflow.errors import UserError
+
+    with pytest.raises(UserError, match=r"scorer.prefix_reuse.*models.judge.backend"):
+        LLMJudgeScorer(LLMJudgeScorer.Params(model="judge", prefix_reuse=False), sglang_context(shared_tiny_qwen))

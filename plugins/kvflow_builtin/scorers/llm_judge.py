@@ -80,19 +80,17 @@ class LLMJudgeScorer(StepScorer):
             raise UserError(f"llm_judge: 'Yes' and 'No' start with the same token for models.{params.model}")
         if on_sglang:
             from kvflow.backends.sglang.scoring import PositionValues
+            from kvflow_builtin.scorers.prm import _sglang_reuses
 
+            _sglang_reuses(params)
             self.forward = PositionValues(session.engine, labels=self.answer_ids)
             return
-        from kvflow.backends.hf.scoring import PositionForward, PrefixForward, label_head
+        from kvflow.backends.hf.scoring import head_forward, label_head
 
         runner = session.runner
-        head = label_head(runner.lm_head, self.answer_ids)
-        if params.prefix_reuse:
-            self.forward = PrefixForward(runner.body, head, batch_tokens=params.batch_tokens)
-        else:
-            pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-            plain = PositionForward(runner.body, head, pad_id=pad, batch_tokens=params.batch_tokens)
-            self.forward = lambda keys, ids, positions: plain(ids, positions)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.forward = head_forward(runner.body, label_head(runner.lm_head, self.answer_ids),
+                                    reuse=params.prefix_reuse, pad_id=pad, batch_tokens=params.batch_tokens)
 
     def prompt_ids(self, request) -> list[int]:
         delim = self.context.delimiter

@@ -142,6 +142,8 @@ class PRMScorer(StepScorer):
         if getattr(model_cfg, "backend", "hf") == "sglang":
             from kvflow.backends.sglang.scoring import PositionValues
 
+            _sglang_reuses(params)
+
             if params.protocol == "qwen25-math-prm":
                 from kvflow.backends.hf.prm import check_prm_checkpoint
 
@@ -156,7 +158,7 @@ class PRMScorer(StepScorer):
                 self.forward = PositionValues(engine, labels=self.format.label_ids)
                 self._prob = lambda logits: torch.softmax(logits, dim=-1)[:, 0]
             return
-        from kvflow.backends.hf.scoring import PositionForward, PrefixForward, label_head
+        from kvflow.backends.hf.scoring import head_forward, label_head
 
         if params.protocol == "qwen25-math-prm":
             from kvflow.backends.hf.prm import load_qwen_prm
@@ -171,11 +173,8 @@ class PRMScorer(StepScorer):
             self.format = ShepherdFormat(tokenizer)
             body, head = runner.body, label_head(runner.lm_head, self.format.label_ids)
             self._prob = lambda logits: torch.softmax(logits, dim=-1)[:, 0]
-        if params.prefix_reuse:
-            self.forward = PrefixForward(body, head, batch_tokens=params.batch_tokens)
-        else:
-            plain = PositionForward(body, head, pad_id=_pad_id(tokenizer), batch_tokens=params.batch_tokens)
-            self.forward = lambda keys, ids, positions: plain(ids, positions)
+        self.forward = head_forward(body, head, reuse=params.prefix_reuse, pad_id=_pad_id(tokenizer),
+                                    batch_tokens=params.batch_tokens)
 
     def step_scores(self, questions: list[str], steps: list[list[str]],
                     keys: list[str] | None = None) -> list[list[float]]:
@@ -203,6 +202,16 @@ class PRMScorer(StepScorer):
         release = getattr(self.forward, "release", None)
         if release is not None:
             release(problem_ids)
+
+
+def _sglang_reuses(params) -> None:
+    """`prefix_reuse: false` is hf's re-encoding; SGLang's radix cache always serves the prefix."""
+    from kvflow.errors import UserError
+
+    if not params.prefix_reuse:
+        raise UserError(f"scorer.prefix_reuse: false re-encodes every input on backend 'hf' only; on 'sglang' "
+                        f"(models.{params.model}.backend) the radix cache always serves the committed prefix",
+                        hint=f"drop scorer.prefix_reuse, or put models.{params.model} on backend 'hf'")
 
 
 def _pad_id(tokenizer) -> int:

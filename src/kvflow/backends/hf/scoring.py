@@ -317,3 +317,19 @@ class PrefixForward:
         head = self.head(hidden.reshape(rows * width, -1)).float().cpu().reshape(rows, width, -1)
         new_kv = [(layer.keys, layer.values) for layer in cache.layers] if keep_kv else None
         return new_kv, head
+
+
+def head_forward(body: torch.nn.Module, head: Callable[[torch.Tensor], torch.Tensor], *, reuse: bool, pad_id: int,
+                 batch_tokens: int) -> Callable:
+    """What `prm` and `llm_judge` score with on `hf`: `PrefixForward` with `reuse`, else (or
+    for a model with sliding-window layers, with a warning) `PositionForward`; either way
+    called as `(keys, ids, positions)`, with `release(keys)` where there is state."""
+    if reuse:
+        try:
+            return PrefixForward(body, head, batch_tokens=batch_tokens)
+        except ValueError as e:
+            import logging
+
+            logging.getLogger(__name__).warning("%s: re-encoding every input", e)
+    plain = PositionForward(body, head, pad_id=pad_id, batch_tokens=batch_tokens)
+    return lambda keys, ids, positions: plain(ids, positions)
