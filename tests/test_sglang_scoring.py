@@ -102,8 +102,17 @@ def test_a_prm_engine_on_sglang_gets_hidden_states_and_keeps_its_own_settings():
     assert PRMScorer.engine_settings(PRMScorer.Params(model="m", protocol="math-shepherd"), "sglang") == {}
 
 
-def test_prefix_reuse_false_on_sglang_is_refused_naming_the_field(shared_tiny_qwen, sglang_engine):
-    from kvflow.errors import UserError
+def test_prefix_reuse_false_on_sglang_is_refused_naming_the_field(write, cli):
+    """At validate time, with the file and line (no engine needed)."""
+    from conftest import REPO
 
-    with pytest.raises(UserError, match=r"scorer.prefix_reuse.*models.judge.backend"):
-        LLMJudgeScorer(LLMJudgeScorer.Params(model="judge", prefix_reuse=False), sglang_context(shared_tiny_qwen))
+    for kind in ("prm", "llm_judge"):
+        path = write(f"{kind}.yaml", f"""
+            include: {REPO / "pipelines" / "sglang" / "kv_rescue.yaml"}
+            scorer: {{kind: {kind}, model: prm, prefix_reuse: false}}
+            """)
+        if kind == "llm_judge":
+            path.write_text(path.read_text().replace("model: prm, prefix_reuse", "model: helper, prefix_reuse"))
+        result = cli("validate", path)
+        assert result.exit_code == 2, result.output
+        assert f"{kind}.yaml:2: scorer.prefix_reuse" in result.output and ".backend" in result.output, result.output

@@ -64,6 +64,12 @@ class LLMJudgeScorer(StepScorer):
     #: hf: two label logits through transformers; sglang: their log-probabilities from the engine
     backends = ("hf", "sglang")
 
+    @staticmethod
+    def check_backend(params, backend: str):
+        from kvflow_builtin.scorers.prm import prefix_reuse_problem
+
+        return prefix_reuse_problem(params, backend)
+
     @classmethod
     def models_needed(cls, params):
         return [params.model]

@@ -127,6 +127,11 @@ class PRMScorer(StepScorer):
     def models_needed(cls, params):
         return [params.model]
 
+    @staticmethod
+    def check_backend(params, backend: str):
+        """None, or (field under `scorer`, why, hint): what these params cannot do on `backend`."""
+        return prefix_reuse_problem(params, backend)
+
     @classmethod
     def engine_settings(cls, params, backend: str) -> dict:
         """Engine settings the scorer's model needs on `backend` (merged under the entry's own)."""
@@ -204,14 +209,23 @@ class PRMScorer(StepScorer):
             release(problem_ids)
 
 
+def prefix_reuse_problem(params, backend: str):
+    """None, or (field under `scorer`, why, hint) when these params cannot run on `backend`:
+    `prefix_reuse: false` is hf's re-encoding; SGLang's radix cache always serves the prefix."""
+    if backend == "sglang" and not params.prefix_reuse:
+        return ("prefix_reuse", f"prefix_reuse: false re-encodes every input on backend 'hf' only; on 'sglang' "
+                                f"(models.{params.model}.backend) the radix cache always serves the committed prefix",
+                f"drop scorer.prefix_reuse, or put models.{params.model} on backend 'hf'")
+    return None
+
+
 def _sglang_reuses(params) -> None:
-    """`prefix_reuse: false` is hf's re-encoding; SGLang's radix cache always serves the prefix."""
+    """The same refusal at run time (a scorer built outside `kvflow run`)."""
     from kvflow.errors import UserError
 
-    if not params.prefix_reuse:
-        raise UserError(f"scorer.prefix_reuse: false re-encodes every input on backend 'hf' only; on 'sglang' "
-                        f"(models.{params.model}.backend) the radix cache always serves the committed prefix",
-                        hint=f"drop scorer.prefix_reuse, or put models.{params.model} on backend 'hf'")
+    why = prefix_reuse_problem(params, "sglang")
+    if why:
+        raise UserError(f"scorer.{why[0]}: {why[1]}", hint=why[2])
 
 
 def _pad_id(tokenizer) -> int:

@@ -68,6 +68,10 @@ def engine_use_problems(loaded: LoadedPipeline, registry=None) -> list:
                 f"models.{key}.backend", f"scorer '{loaded.pipeline.scorer.kind}' runs its model on backend "
                 f"{' or '.join(repr(b) for b in allowed)} only, not '{backend}'",
                 f"set models.{key}.backend: {allowed[0]} (or score with `likelihood`, which runs on any engine)"))
+        elif hasattr(scorer.cls, "check_backend"):  # a parameter the scorer cannot honour on this backend
+            why = scorer.cls.check_backend(scorer.params, backend)
+            if why:
+                problems.append(loaded.problem(f"scorer.{why[0]}", why[1], why[2]))
     for name, prop in loaded.pipeline.proposers.items():
         if prop.evictor.kind == "none":
             continue
