@@ -297,11 +297,22 @@ class HFEngine:
         for _, pool in self.pools.values():
             pool.reclaim()
         busy = sum(len(r.live) for r in self.running)
+        admitted = []
         while self.waiting and (max_rows is None or not self.running or busy + self.waiting[0].spec.n <= max_rows):
-            req = self.waiting.popleft()
+            admitted.append(self.waiting.popleft())
+            busy += admitted[-1].spec.n
+        room: dict[int, list] = {}  # id(pool) -> [pool, rows, slots]: one growth per pool for the burst
+        for req in admitted:
+            pool = self._pool(req.state.cache.evictor)
+            need = room.setdefault(id(pool), [pool, 0, 0])
+            need[1] += req.spec.n
+            need[2] = max(need[2], int(req.state.cache.rows.lengths[0]) + _cap(req) + 1)
+        for pool, rows, slots in room.values():
+            pool.make_room(rows, slots)
+        for req in admitted:
             spec, state = req.spec, req.state
             n = spec.n
-            cap = min(spec.max_step_tokens, max(1, req.token_room))
+            cap = _cap(req)
             seed = int(state.cache.rows.rng_keys[0])
             # fork: one copy of the state's row per candidate, into free rows of the pool
             held = self._pool(state.cache.evictor).fork(state.cache, n, [row_seed(seed, i) for i in range(n)], cap)
@@ -314,7 +325,6 @@ class HFEngine:
             t.finish[rows] = _LIVE
             t.pending[rows] = state.pending
             self.running.append(_Running(req, held, rows))
-            busy += n
 
     def _sample(self, logits: torch.Tensor, rows: torch.Tensor):
         groups = _groups(self.running, lambda r: (r.request.spec.temperature, r.request.spec.top_p))
@@ -403,6 +413,11 @@ class _LazyTexts(Sequence):
         t = self.engine.table
         r = int(self.rows[i])
         return "".join(self.engine.runner.piece(x) for x in t.tokens[r, : int(t.count[r])].tolist())
+
+
+def _cap(req: ProposeRequest) -> int:
+    """The most tokens a candidate of the request may generate."""
+    return min(req.spec.max_step_tokens, max(1, req.token_room))
 
 
 def _groups(items: Sequence, key) -> list[tuple[object, list[int]]]:

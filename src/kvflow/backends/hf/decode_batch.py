@@ -43,19 +43,24 @@ class RowPool:
     def fork(self, state: BudgetedCache, n: int, rng_keys: Sequence[int], room: int) -> "PoolRows":
         """n copies of row 0 of `state` in free rows, each with its own evictor seed; `room`
         is the most tokens a row will append (an unbounded pool makes room for them now)."""
-        self.reclaim()
         cache = self.cache
-        if len(self.free) < n:
-            have = cache.n_rows
-            grow = max(have, n - len(self.free), 8)  # at least double: O(log rows) copies
-            for r in cache.add_rows(grow).tolist():
-                heapq.heappush(self.free, r)
+        self.make_room(n, int(state.rows.lengths[0]) + room + 1)
         rows = torch.as_tensor(sorted(heapq.heappop(self.free) for _ in range(n)), dtype=torch.long)
-        if not cache.evictor.bounded:
-            cache.reserve(int(state.rows.lengths[0]) + room + 1)
         cache.copy_rows(rows, state, torch.zeros(n, dtype=torch.long))
         cache.rows.rng_keys[rows] = torch.as_tensor(list(rng_keys), dtype=torch.long)
         return PoolRows(self, rows)
+
+    def make_room(self, rows: int, slots: int) -> None:
+        """At least `rows` free rows and, unbounded, `slots` slots per row: grown once for a
+        whole burst of forks (the engine asks before admitting them), at least doubling (a
+        pool of R rows has been copied O(log R) times)."""
+        self.reclaim()
+        cache = self.cache
+        if len(self.free) < rows:
+            for r in cache.add_rows(max(cache.n_rows, rows - len(self.free))).tolist():
+                heapq.heappush(self.free, r)
+        if not cache.evictor.bounded:
+            cache.reserve(slots)
 
     def reclaim(self) -> None:
         """Rows handed back since the last call become free (length 0: out of the attention's span)."""
