@@ -67,17 +67,27 @@ def test_sglang_picks_a_sampler_on_cuda_that_refuses_seeds_and_kvflow_sets_its_o
         assert refusal(ours, evicting) is None, refusal(ours, evicting)
 
 
-def test_decode_graphs_are_off_for_evicting_engines_and_left_to_sglang_for_full_context_ones(resolved_on):
-    """What SGLang resolved per forward phase (`cuda_graph_config`), not the input flag."""
+def test_evicting_engines_decode_with_graphs_and_prefill_without(resolved_on):
+    """What SGLang resolved per forward phase (`cuda_graph_config`), not the input flag: an
+    evicting engine replays full decode graphs (kvflow's decode hook is captured with them,
+    tests/test_sglang_replay.py) and prefills eagerly (its extend hook is Python per row); a
+    full-context engine gets SGLang's defaults, whose breakable prefill graphs are refused for
+    an evicting one."""
     from kvflow.backends.sglang.settings import refusal
 
     evicting = resolved_on("h100", evicting=True)
-    assert evicting["disable_cuda_graph"] is True
-    assert {p["backend"] for p in evicting["cuda_graph_config"].values()} == {"disabled"}
+    assert evicting["disable_cuda_graph"] is False
+    assert evicting["cuda_graph_config"]["decode"]["backend"] == "full"
+    assert evicting["cuda_graph_config"]["prefill"]["backend"] == "disabled"
+    assert refusal(evicting, evicting=True) is None
     full = resolved_on("h100", evicting=False)
     assert full["cuda_graph_config"]["decode"]["backend"] == "full"  # SGLang's default on CUDA
     assert refusal(full, evicting=False) is None
-    assert refusal(full, evicting=True)[0] in ("engine.disable_cuda_graph", "engine.cuda_graph_config")
+    # SGLang's prefill default reads the real device (`is_cuda()`, not the stand-in): `breakable`
+    # on a GPU, which an evicting engine refuses
+    breakable = {**full, "cuda_graph_config": {**full["cuda_graph_config"], "prefill": {"backend": "breakable"}}}
+    assert refusal(breakable, evicting=False) is None
+    assert refusal(breakable, evicting=True)[0] == "engine.cuda_graph_config"
 
 
 def test_what_sglang_resolves_on_blackwell_is_refused_for_an_evicting_engine(resolved_on):
@@ -121,7 +131,7 @@ def test_settings_no_engine_can_run_under_are_refused_before_loading(tmp_path, c
 
 
 @pytest.mark.parametrize("engine, field", [
-    ({"disable_cuda_graph": False}, "disable_cuda_graph"),
+    ({"cuda_graph_config": {"prefill": {"backend": "breakable"}}}, "cuda_graph_config"),
     ({"enable_torch_compile": True}, "enable_torch_compile"),
     ({"kv_cache_dtype": "fp8_e5m2"}, "kv_cache_dtype"),
     ({"enable_dp_attention": True}, "enable_dp_attention"),
@@ -204,3 +214,14 @@ def test_the_tripwire_counts_every_token_of_a_normal_run(sglang_engine):
     prompt = len(sglang_engine.encode(chat_prompt(sglang_engine)))
     # the prompt's ingest and the candidate's tokens (its first token is the prompt's pending one)
     assert sglang_engine.server_state()["observed_tokens"] - before >= prompt - 1 + 40 - 1
+
+
+def test_a_users_decode_graph_settings_keep_kvflows_prefill_off(shared_tiny_qwen):
+    """`engine: {cuda_graph_config: {decode: ...}}` merges per phase over kvflow's defaults, so
+    the evicting engine still prefills without graphs; a prefill graph asked for is refused."""
+    from kvflow.backends.sglang.settings import refusal
+
+    ours = _kwargs(shared_tiny_qwen, True, cuda_graph_config={"decode": {"max_bs": 64}})["cuda_graph_config"]
+    assert ours == {"decode": {"max_bs": 64}, "prefill": {"backend": "disabled"}}
+    assert refusal({"cuda_graph_config": {"decode": {"max_bs": 64}}}, evicting=True) is None
+    assert refusal({"cuda_graph_config": {"prefill": {"backend": "full"}}}, evicting=True)[0] == "engine.cuda_graph_config"

@@ -47,15 +47,18 @@ backend with one slot per token works), `process_batch_result_prefill/decode` (c
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
-from array import array
 import os
+from array import array
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
+from kvflow.backends.sglang.graph import Tables, decode_step, observes_in_graph
+from kvflow.backends.sglang.replay import OpCounter, proxy_from_env
 from kvflow.components.allocation import hole_index, hole_mask
 
 KEY = "kvflow_evict"
@@ -65,6 +68,7 @@ _ATTENTION = "sglang.srt.layers.attention.base_attn_backend.AttentionBackend.for
 _PROCESSOR = "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor"
 _RELEASE = "sglang.srt.mem_cache.common.release_kv_cache"
 _ADDER = "sglang.srt.managers.schedule_policy.PrefillAdder"
+_RUNNER_FORWARD = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
 _STATE = "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state"
 
 
@@ -99,8 +103,10 @@ class Live:
     resident: int  # tokens in the row (every layer and head)
     offset: int  # logical position - row position
     save_as: Optional[str]
-    queries: Optional[list] = None  # per layer [q_heads, W, D]
-    stats: Optional[list] = None  # per layer [kv_heads, stats_width] float32
+    row: Optional[int] = None  # its row of the per-slot tables (`graph.Tables`), once admitted
+    pool_idx: Optional[int] = None  # the request-pool slot the tables map to that row
+    written: int = 0  # queries written to its ring (the ring's write position, mod W)
+    checked: int = 0  # layers x forwards its hooks must have counted (the tripwire's expectation)
     pending: int = 0  # tokens the current forward appends (set in init_new)
     dump: Optional[str] = None  # a directory to save the snapshot in (torch.save), if asked
     source: Optional[Snapshot] = None  # the snapshot still to be put into the request's slots
@@ -137,11 +143,23 @@ class Runtime:
         self.retractions = 0  # evicted requests SGLang retracted (pool full)
         self.compactions = 0  # compactions of running rows (a saved copy compacted at the end: not counted)
         # kvflow's rows of the forward being run (set by ForwardBatch.init_new; the attention
-        # layers see a copy of that ForwardBatch, and overlap scheduling is off: one at a time)
+        # layers see a copy of that ForwardBatch, and overlap scheduling is off: one at a time).
+        # Host bookkeeping only: the decode hook of `graph` mode never reads it (a replayed graph
+        # could not), the per-row path of extend forwards (and of `eager` mode) does
         self.rows: Optional[list] = None
-        # the tripwire: the layers whose attention hook saw this forward's rows, and the tokens
-        # of evicted requests observed so far (every one must be: see `check_observed`)
-        self.layers_seen: set[int] = set()
+        # per request-pool slot state, on the pool's device (`graph.Tables`), made at the first use
+        self.tables: Optional[Tables] = None
+        # `graph` (default): decode forwards run `graph.decode_step`, fixed-shape ops over the
+        # whole batch, capturable; `eager`: the per-row Python hooks of kvflow 0.x, for every
+        # forward (they cannot run under a replayed graph: kept to measure and to show the proxy fails them)
+        self.mode = os.environ.get("KVFLOW_SGLANG_HOOKS", "graph") or "graph"
+        if self.mode not in ("graph", "eager"):
+            raise ValueError(f"KVFLOW_SGLANG_HOOKS={self.mode!r}: 'graph' or 'eager'")
+        self.proxy = proxy_from_env()  # KVFLOW_SGLANG_REPLAY_PROXY=1: the CPU proxy for graph replay
+        self.ops = OpCounter() if os.environ.get("KVFLOW_SGLANG_COUNT_OPS") == "1" else None
+        self.op_counts: list[dict] = []  # per decode forward (KVFLOW_SGLANG_COUNT_OPS=1)
+        self.host_counts: dict[str, int] = {}
+        # the tokens of evicted requests observed so far (every one must be: see `check_observed`)
         self.observed_tokens = 0
         # fault injection for the tripwire's test: skip the hooks of the N-th decode forward
         # that has evicted rows, as a replayed decode graph would (0: never)
@@ -164,16 +182,40 @@ class Runtime:
             ev = self._evictors[key] = cls(cls.Params.model_validate(params))
         return ev
 
+    def make_tables(self, req_to_token_pool, kv) -> Tables:
+        if self.tables is None:
+            self.req_to_token_pool, self.kv = req_to_token_pool, kv
+            self.tables = Tables(req_to_token_pool.req_to_token, len(kv.k_buffer))
+        return self.tables
+
+    def check_fits(self, ev) -> None:
+        """What the decode graph's fixed shapes hold: refused with the setting to raise."""
+        if self.mode != "graph":
+            return
+        t, layers = self.tables, self.tables.layers
+        kv_heads = self.kv.k_buffer[0].shape[1]
+        width = (max(ev.layer_widths(layers, kv_heads)) if ev.varies(layers) else ev.trigger) + 1  # a row's longest
+        problem = None
+        if width > t.span:
+            problem = f"its rows reach {width} slots, past KVFLOW_SGLANG_GRAPH_SPAN={t.span}"
+        elif ev.query_window > t.window:
+            problem = f"its query window {ev.query_window} is past KVFLOW_SGLANG_GRAPH_WINDOW={t.window}"
+        elif ev.observes_attention and not observes_in_graph(ev):
+            problem = ("it observes attention with its own observe(), and the decode graph keeps H2O's statistic "
+                       "only (run such an evictor with KVFLOW_SGLANG_HOOKS=eager and disable_cuda_graph: true)")
+        if problem:
+            raise ValueError(f"kvflow: evictor {type(ev).__name__} cannot run in this engine's decode graph: {problem}")
+
     def begin(self, req, tree_cache) -> None:
         """A kvflow request is being scheduled: start it from its snapshot (once)."""
         spec = req.sampling_params.custom_params[KEY]
-        self.req_to_token_pool = tree_cache.req_to_token_pool
-        self.kv = tree_cache.token_to_kv_pool_allocator.get_kvcache()
+        self.make_tables(tree_cache.req_to_token_pool, tree_cache.token_to_kv_pool_allocator.get_kvcache())
         for sid in spec.get("drop") or ():
             self.snapshots.pop(sid, None)
         live = self.live.get(req.rid)
         if live is None:
             ev = self.evictor(spec["evictor"], spec["params"])
+            self.check_fits(ev)
             snap = self.snapshots[spec["from"]] if spec.get("from") else None
             n = snap.length if snap is not None else 0
             logical = snap.logical if snap is not None else int(spec.get("logical") or 0)
@@ -188,8 +230,15 @@ class Runtime:
         self.restore(req, tree_cache, live)
 
     def restore(self, req, tree_cache, live: Live) -> bool:
-        """Put the request's snapshot into fresh slots (once). False while the pool has no room:
-        the request then waits (`_reserving_room` refuses its admission) and is retried."""
+        """Give the request its row of the tables and put its snapshot into fresh slots (once).
+        False while the tables or the pool have no room: the request then waits
+        (`_reserving_room` refuses its admission) and is retried."""
+        if live.row is None:
+            live.row = self.tables.assign(observing=live.evictor.observes_attention)
+            if live.row is None:
+                return False
+            if live.source is not None:
+                self._load(live, live.source)
         if live.source is not None and not req.kv.holds_kv:
             if not self._restore(req, tree_cache, live.source, live):
                 return False
@@ -215,12 +264,28 @@ class Runtime:
         pool.req_to_token[req.kv.req_pool_idx, :n] = slots.to(pool.req_to_token.dtype)
         req.kv.kv_committed_len = req.kv.kv_allocated_len = n
         req.kv.cache_protected_len = 0
-        if snap.queries is not None:
-            live.queries = [q.clone() for q in snap.queries]
-        if snap.stats is not None:
-            cap = live.stats_width(*snap.stats.shape[:2])
-            live.stats = [torch.nn.functional.pad(s, (0, cap - n)) for s in snap.stats]
         return True
+
+    def _load(self, live: Live, snap: Snapshot) -> None:
+        """A snapshot's query window, statistic and holes into the request's row of the tables
+        (they exist: a snapshot comes from a request that ran forwards in this process)."""
+        t, row = self.tables, live.row
+        if snap.queries is not None:
+            for layer, q in enumerate(snap.queries):
+                t.set_window(row, layer, q)
+            live.written = snap.queries.shape[2]
+        if snap.stats is not None:
+            for layer, s in enumerate(snap.stats):
+                t.stats[layer][row, :, : s.shape[1]] = s
+        t.set_holes(row, snap.holes, snap.base + live.evictor.params.budget)
+
+    def _map(self, live: Live, pool_idx: int) -> None:
+        """The tables' view of the request's pool slot (set when SGLang gives it one)."""
+        if live.pool_idx != pool_idx:
+            t = self.tables
+            t.row_of[pool_idx] = live.row
+            t.offset_of[pool_idx] = live.offset
+            live.pool_idx = pool_idx
 
     # ------------------------------------------------------------------ forwards
 
@@ -240,17 +305,23 @@ class Runtime:
         starts = [0]
         for c in counts:
             starts.append(starts[-1] + c)
-        offsets = torch.zeros(starts[-1], dtype=forward_batch.positions.dtype)
         rows = []
         for i, live in mine:
             live.pending = counts[i]
-            if live.offset:
-                offsets[starts[i] : starts[i + 1]] = live.offset
+            self._map(live, reqs[i].kv.req_pool_idx)
             rows.append((i, starts[i], counts[i], live, reqs[i].kv.req_pool_idx))
-        if bool(offsets.any()):
-            forward_batch.positions = forward_batch.positions + offsets.to(forward_batch.positions.device)
+        if decode and self.mode == "graph":
+            # one gather whatever the rows (0 for rows that are not kvflow's)
+            if any(live.offset for _, live in mine):
+                forward_batch.positions = forward_batch.positions + self.tables.offset_of[forward_batch.req_pool_indices]
+        else:
+            offsets = torch.zeros(starts[-1], dtype=forward_batch.positions.dtype)
+            for i, live in mine:
+                if live.offset:
+                    offsets[starts[i] : starts[i + 1]] = live.offset
+            if bool(offsets.any()):
+                forward_batch.positions = forward_batch.positions + offsets.to(forward_batch.positions.device)
         self.rows = rows
-        self.layers_seen = set()
         self.decode_forwards += decode
         self.skip = decode and self.decode_forwards == self.skip_decode_forward
 
@@ -284,78 +355,152 @@ class Runtime:
             flat[start : start + count] = o[0].transpose(0, 1).reshape(count, -1).to(flat.dtype)
 
     def attended(self, q, layer, forward_batch) -> None:
-        """After a layer's attention wrote its keys: the query window and H2O's statistic."""
+        """The per-row path (extend forwards; every forward in `eager` mode), after a layer's
+        attention wrote its keys: the tripwire's count, the query ring and H2O's statistic,
+        row by row in Python (it cannot run under a replayed graph)."""
         rows = self.rows
         lid = layer.layer_id
         head_dim = layer.qk_head_dim if hasattr(layer, "qk_head_dim") else layer.head_dim
         q = q.reshape(q.shape[0], -1, head_dim)  # [tokens, q_heads, D]
         req_to_token = self.req_to_token_pool.req_to_token
-        kv = self.kv
-        layers = len(kv.k_buffer)
+        kv, t = self.kv, self.tables
+        last = lid == t.layers - 1
         for _, start, count, live, pool_idx in rows:
+            t.seen[live.row] += 1
             ev = live.evictor
-            if not ev.query_window and not ev.observes_attention:
-                continue
-            new = q[start : start + count].transpose(0, 1)  # [q_heads, T, D]
             if ev.query_window:
-                w = ev.query_window
-                if live.queries is None:
-                    live.queries = [None] * layers
-                old = live.queries[lid]
-                if old is None:
-                    old = new.new_zeros(new.shape[0], w, new.shape[2])
-                live.queries[lid] = torch.cat([old, new], dim=1)[:, -w:].clone()
+                m = min(count, t.window)
+                new = q[start + count - m : start + count]  # [m, q_heads, D]
+                pos = (live.written + count - m + torch.arange(m)) % t.window
+                t.queries[lid][live.row, pos.to(t.device)] = new.to(t.queries[lid].dtype)
+            if last:
+                t.tokens[live.row] = live.written + count  # where `decode_step` writes next
             if ev.observes_attention:
                 span = live.resident + count
+                if span > t.span:
+                    raise ValueError(f"kvflow: an evicted row of {span} slots is past KVFLOW_SGLANG_GRAPH_SPAN={t.span}")
                 slots = req_to_token[pool_idx, :span].long()
                 keys = kv.get_key_buffer(lid)[slots].transpose(0, 1)[None]  # [1, kv_heads, span, D]
-                if live.stats is None:
-                    live.stats = [None] * layers
-                if live.stats[lid] is None:
-                    live.stats[lid] = torch.zeros(keys.shape[1], live.stats_width(layers, keys.shape[1]),
-                                                  dtype=torch.float32, device=keys.device)
-                t = torch.arange(count, device=keys.device)
+                tk = torch.arange(count, device=keys.device)
                 key = torch.arange(span, device=keys.device)
-                mask = (key[None, :] <= (live.resident + t)[:, None])[None]  # [1, T, span]
+                mask = (key[None, :] <= (live.resident + tk)[:, None])[None]  # [1, T, span]
                 if live.has_holes():  # each head's evicted slots below the row's longest head
                     hole = hole_mask(live.holes[lid].to(keys.device), live.hole_end, span)  # [H, span]
                     mask = mask[:, None] & ~hole[None, :, None]  # [1, H, T, span]
-                ev.observe(live.stats[lid][None, :, :span], new[None].to(keys.dtype), keys, mask,
-                           layer_idx=lid, scaling=layer.scaling)
+                new = q[start : start + count].transpose(0, 1)  # [q_heads, T, D]
+                ev.observe(t.stats[lid][live.row, :, :span][None], new[None].to(keys.dtype), keys, mask,
+                           layer_idx=lid, scaling=layer.scaling)  # a view: updated in place
 
-    def check_observed(self, req, live: Live) -> None:
+    def hooked(self, backend, q, out, layer, forward_batch):
+        """kvflow's part of one layer's attention (the AROUND hook's body); returns the output."""
+        decode = forward_batch.forward_mode.is_decode()
+        if self.mode == "graph" and decode:
+            if not (self.live or self.proxy is not None or _capturing()):
+                return out  # no kvflow request and nothing being captured: nothing to observe
+            t = self._ensure(backend, layer, q)
+            if self.skip:  # the fault injection: a stale graph, none of kvflow's ops
+                return out
+            kv = self.kv
+            lid = layer.layer_id
+            shapes = dict(lid=lid, scaling=layer.scaling, q_heads=layer.tp_q_head_num, kv_heads=layer.tp_k_head_num,
+                          head_dim=layer.qk_head_dim, v_dim=layer.v_head_dim)
+            k_buf, v_buf = kv.get_key_buffer(lid), kv.get_value_buffer(lid)
+            req_to_token = self.req_to_token_pool.req_to_token
+
+            def step(q_, out_, rpi, seq_lens):
+                return decode_step(t, q_, out_, k_buf, v_buf, req_to_token, rpi, seq_lens, **shapes)
+
+            return self._run(step, lid, q, out, forward_batch)
+        if self.proxy is not None and decode:  # `eager` hooks as a replayed graph runs them
+            if self.tables is None:
+                return out
+
+            def per_row(q_, out_, rpi, seq_lens):
+                if self.rows and not self.skip:
+                    self.attended(q_, layer, forward_batch)
+                    self.masked_attention(q_, out_, layer)
+                return out_
+
+            return self._run(per_row, layer.layer_id, q, out, forward_batch)
+        if self.rows and not self.skip:
+            self._ensure(backend, layer, q)
+            self.attended(q, layer, forward_batch)
+            self.masked_attention(q, out, layer)
+        return out
+
+    def _run(self, fn, lid, q, out, forward_batch):
+        counter = self.ops
+        if counter is not None:
+            counter.in_hook = True
+        try:
+            if self.proxy is None:
+                return fn(q, out, forward_batch.req_pool_indices, forward_batch.seq_lens)
+            return self.proxy.run(lid, fn, q, out, forward_batch.req_pool_indices, forward_batch.seq_lens,
+                                  self._as_at_capture)
+        finally:
+            if counter is not None:
+                counter.in_hook = False
+
+    @contextlib.contextmanager
+    def _as_at_capture(self):
+        """kvflow's Python state as SGLang's graph capture finds it: no kvflow rows planned."""
+        rows, self.rows = self.rows, None
+        try:
+            yield
+        finally:
+            self.rows = rows
+
+    def _ensure(self, backend, layer, q) -> Tables:
+        t = self.tables
+        if t is None:
+            t = self.make_tables(getattr(backend, "req_to_token_pool", None) or self.req_to_token_pool,
+                                 getattr(backend, "token_to_kv_pool", None) or self.kv)
+        t.ensure(layer.layer_id, layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, q.dtype)
+        return t
+
+    def check_observed(self, req, live: Live, seen: Optional[list] = None) -> None:
         """The tripwire, after each forward and before a request's row is released: every token
         SGLang wrote into an evicted request's row went through kvflow's hooks (positions
-        planned, every layer's attention observed). A replayed decode graph, a compiled forward
-        or an attention path that bypasses `AttentionBackend.forward` runs none of them; the
-        evicted state would then be silently wrong, so the scheduler stops instead."""
+        planned, and the hook's per-row counter -- `Tables.seen`, incremented by the hook's own
+        tensor ops, in the decode graph too -- advanced by one per layer and forward). A stale or
+        skipped graph, a compiled forward that dropped the hook or an attention path that bypasses
+        `AttentionBackend.forward` leaves the counter behind; the evicted state would then be
+        silently wrong, so the scheduler stops instead."""
         written, counted = int(req.kv.kv_committed_len), live.resident + live.pending
-        layers = len(self.kv.k_buffer)
+        layers = self.tables.layers
         missed = None
         if written != counted:
             missed = f"SGLang holds {written} tokens in its row, kvflow's hooks planned {counted}"
-        elif live.pending and len(self.layers_seen) != layers:
-            missed = (f"its last forward ({live.pending} token(s)) ran kvflow's attention hook in "
-                      f"{len(self.layers_seen)} of {layers} layers")
+        elif live.pending:
+            live.checked += layers
+            got = seen[live.row] if seen is not None else int(self.tables.seen[live.row])
+            if got != live.checked:
+                missed = (f"kvflow's attention hook counted {got - live.checked + layers} of {layers} layers in its "
+                          f"last forward ({live.pending} token(s))")
+                live.checked = got
         if missed is not None:
             raise TripwireError(
                 f"kvflow tripwire: evicted request {req.rid}: {missed}. Its query window, attention statistics and "
                 "hole masks would be stale, so the engine stops rather than decode on. Cause: the forward ran "
-                "without kvflow's hooks (a replayed decode graph: models.<entry>.engine.disable_cuda_graph must be "
-                "true for evicted proposers; enable_torch_compile; an attention backend that bypasses "
-                "AttentionBackend.forward). Rerun `kvflow run` to resume once the setting is fixed.")
+                "without kvflow's hooks (a decode graph replayed without them: with KVFLOW_SGLANG_HOOKS=eager, "
+                "models.<entry>.engine.disable_cuda_graph must be true; enable_torch_compile; an attention backend "
+                "that bypasses AttentionBackend.forward). Rerun `kvflow run` to resume once the setting is fixed.")
         self.observed_tokens += live.pending
 
     def forwarded(self, processor, batch) -> None:
         """After a forward's results: check and count its tokens; compact running rows that are due."""
+        seen = None
         for i, req in enumerate(batch.reqs):
             live = self.live.get(req.rid)
             if live is None:
                 continue
-            self.check_observed(req, live)
+            if seen is None and self.tables is not None:
+                seen = self.tables.seen.tolist()  # one read for the batch (the hooks' counters)
+            self.check_observed(req, live, seen)
             if not live.pending:
                 continue
             live.resident += live.pending
+            live.written += live.pending
             live.pending = 0
             self.peak_slots = max(self.peak_slots, live.resident)
             if req.finished() or live.nominal < live.evictor.trigger:
@@ -385,9 +530,13 @@ class Runtime:
         live.holes, live.base = holes, kept - live.evictor.params.budget
         live.compactions += 1
         self.compactions += 1
+        t = self.tables
+        t.offset_of[req.kv.req_pool_idx] = live.offset
+        t.set_holes(live.row, holes, live.hole_end)
         if stats is not None:
-            cap = live.stats_width(keys.shape[0], keys.shape[1])
-            live.stats = [torch.nn.functional.pad(s, (0, cap - kept)) for s in stats]
+            for layer, s in enumerate(stats):
+                t.stats[layer][live.row].zero_()
+                t.stats[layer][live.row, :, :kept] = s
 
     @staticmethod
     def _read(kv, slots: torch.Tensor):
@@ -409,11 +558,12 @@ class Runtime:
         protected = torch.tensor([live.n_protected])
         kept_k, kept_v, kept_s, counts = [], [], [], []
         for layer in range(layers):
-            queries = live.queries[layer][None] if live.queries is not None else None
+            queries = self._window(live, layer)
+            queries = queries[None] if queries is not None else None
             k, v, heads, idx = self._head_view(live, keys[layer], values[layer], layer)  # [H, N, D], [H]
             stats = None
-            if live.stats is not None:  # gathered like the keys
-                row_stats = live.stats[layer][:, :n]
+            if ev.observes_attention:  # gathered like the keys
+                row_stats = self.tables.stats[layer][live.row, :, :n]
                 stats = (row_stats if idx is None else row_stats.gather(1, idx[..., 0]))[None]
             extra = {"budget": budgets[layer]} if varies else {}
             if ev.adaptive_heads:
@@ -443,6 +593,11 @@ class Runtime:
         return (torch.stack([fit(x) for x in kept_k]), torch.stack([fit(x) for x in kept_v]),
                 [fit_stats(x) for x in kept_s] or None, holes)  # the query window stays as it is
 
+    def _window(self, live: Live, layer: int) -> Optional[torch.Tensor]:
+        """The request's query window of a layer, [q_heads, W, D], or None (no window)."""
+        w = live.evictor.query_window
+        return self.tables.window_of(live.row, layer, live.written, w) if w else None
+
     @staticmethod
     def _head_view(live: Live, keys: torch.Tensor, values: torch.Tensor, layer: int):
         """One layer's row gathered per head in time order, skipping the head's hole:
@@ -460,8 +615,16 @@ class Runtime:
     # ------------------------------------------------------------------ end of a request
 
     def released(self, req, tree_cache) -> None:
-        """Before SGLang frees an evicted request's row: keep its state if asked to."""
+        """Before SGLang frees an evicted request's row: keep its state if asked to; its row of
+        the tables goes back."""
         live = self.live.pop(req.rid, None)
+        try:
+            self._released(req, tree_cache, live)
+        finally:
+            if live is not None and live.row is not None:
+                self.tables.release(live.row, live.pool_idx)
+
+    def _released(self, req, tree_cache, live: Optional[Live]) -> None:
         if live is not None and req.kv.holds_kv:
             self.check_observed(req, live)
         if live is not None and not req.finished():
@@ -473,11 +636,14 @@ class Runtime:
         if live is None or not live.save_as or _aborted(req) or not req.kv.holds_kv:
             return
         n = live.resident + live.pending  # its last forward's results are being processed
+        live.written += live.pending
         self.peak_slots = max(self.peak_slots, n)
         kv = tree_cache.token_to_kv_pool_allocator.get_kvcache()
         slots = tree_cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n].long()
         keys, values = self._read(kv, slots)
-        stats = [s[:, :n] for s in live.stats] if live.stats is not None else None
+        t = self.tables
+        stats = [t.stats[layer][live.row, :, :n].clone() for layer in range(t.layers)] \
+            if live.evictor.observes_attention else None
         offset, compactions, holes, base = live.offset, live.compactions, live.holes, live.base
         if n - base >= live.evictor.trigger:  # it ended on the token that made it due: compact the copy
             keys, values, stats, holes = self._compacted(live, keys, values)
@@ -487,7 +653,7 @@ class Runtime:
             compactions += 1
         snap = self.snapshots[live.save_as] = Snapshot(
             keys.clone(), values.clone(),
-            torch.stack(live.queries) if live.queries else None,
+            torch.stack([self._window(live, layer) for layer in range(t.layers)]) if live.evictor.query_window else None,
             torch.stack(stats) if stats else None,
             logical=n + offset, compactions=compactions, rng_key=live.rng_key, n_protected=live.n_protected,
             holes=holes, base=base)
@@ -540,22 +706,58 @@ def _forward_batch(result, *args, **kwargs):
     batch = kwargs.get("batch") or next(a for a in args if hasattr(a, "reqs"))
     RUNTIME.rows = None
     if RUNTIME.live:
-        RUNTIME.plan(batch, result)
+        with _counted("plan_ops"):
+            RUNTIME.plan(batch, result)
     return result
+
+
+@contextlib.contextmanager
+def _counted(field: str):
+    """KVFLOW_SGLANG_COUNT_OPS=1: the operators kvflow's host side dispatches around a forward
+    (positions before it: `plan_ops`; tripwire and compactions after it: `host_ops`)."""
+    counter = RUNTIME.ops
+    if counter is None:
+        yield
+        return
+    counter.total = 0
+    with counter:
+        yield
+    RUNTIME.host_counts[field] = counter.total
 
 
 def _attention(original, backend, q, k, v, layer, forward_batch, *args, **kwargs):
     out = original(backend, q, k, v, layer, forward_batch, *args, **kwargs)
-    if RUNTIME.rows and not RUNTIME.skip:
-        RUNTIME.layers_seen.add(layer.layer_id)
-        RUNTIME.attended(q, layer, forward_batch)
-        RUNTIME.masked_attention(q, out, layer)
+    if forward_batch.forward_mode.is_idle():
+        return out
+    return RUNTIME.hooked(backend, q, out, layer, forward_batch)
+
+
+def _capturing() -> bool:
+    """Is a CUDA graph being captured right now (SGLang's decode graphs, at engine start)?"""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _counting(original, runner, forward_batch, *args, **kwargs):
+    """KVFLOW_SGLANG_COUNT_OPS=1: the operators each decode forward dispatches."""
+    counter = RUNTIME.ops
+    if not forward_batch.forward_mode.is_decode():
+        return original(runner, forward_batch, *args, **kwargs)
+    counter.total = counter.hook = 0
+    with counter:
+        out = original(runner, forward_batch, *args, **kwargs)
+    RUNTIME.op_counts.append({"rows": int(forward_batch.batch_size), "evicted_rows": len(RUNTIME.rows or ()),
+                              "ops": counter.total, "hook_ops": counter.hook,
+                              "plan_ops": RUNTIME.host_counts.pop("plan_ops", 0)})
+    del RUNTIME.op_counts[:-256]  # the latest (what `server_state()` reads)
     return out
 
 
 def _after_result(result, processor, batch, *args, **kwargs):
     if RUNTIME.live:
-        RUNTIME.forwarded(processor, batch)
+        with _counted("host_ops"):
+            RUNTIME.forwarded(processor, batch)
+        if RUNTIME.ops is not None and RUNTIME.op_counts and "host_ops" not in RUNTIME.op_counts[-1]:
+            RUNTIME.op_counts[-1]["host_ops"] = RUNTIME.host_counts.pop("host_ops", 0)
     return result
 
 
@@ -612,6 +814,10 @@ def _internal_state(result, controller, *args, **kwargs):
         "compactions": RUNTIME.compactions,
         "retractions": RUNTIME.retractions,
         "observed_tokens": RUNTIME.observed_tokens,
+        "hooks": RUNTIME.mode,
+        "replay_proxy": None if RUNTIME.proxy is None else {"captures": RUNTIME.proxy.captures,
+                                                             "replays": RUNTIME.proxy.replays},
+        "op_counts": RUNTIME.op_counts[-64:],
         "snapshots": len(RUNTIME.snapshots),
         "snapshot_tokens": sum(s.length for s in RUNTIME.snapshots.values()),
     }
@@ -628,6 +834,8 @@ def register() -> None:
     HookRegistry.register(_PROCESSOR + ".process_batch_result_decode", _after_result, HookType.AFTER)
     HookRegistry.register(_RELEASE, _release, HookType.BEFORE)
     HookRegistry.register(_STATE, _internal_state, HookType.AFTER)
+    if RUNTIME.ops is not None:
+        HookRegistry.register(_RUNNER_FORWARD, _counting, HookType.AROUND)
     # admission: reserve an evicted request's room to its next compaction, not its step cap
     HookRegistry.register(_ADDER + ".add_one_req", _reserving_room(admitting=True), HookType.AROUND)
     HookRegistry.register(_ADDER + "._get_running_request_total_token_offset", _reserving_room(admitting=False),

@@ -34,11 +34,14 @@ COMMON = {"log_level": "error", "disable_overlap_schedule": True, "stream_interv
 CPU = {"attention_backend": "torch_native", "disable_cuda_graph": True, "max_total_tokens": 65536,
        "mem_fraction_static": 0.3}
 
-#: defaults of an engine that serves evicted proposers, on every device: decode without graphs.
-#: A replayed graph runs none of the Python in kvflow's attention hook (query windows, H2O
-#: statistics, hole masks), so compactions would select with stale state; the tripwire in
-#: `evict.py` stops an engine whose hooks missed a token, these settings keep it from firing
-EVICTING = {"disable_cuda_graph": True}
+#: defaults of an engine that serves evicted proposers, on every device: decode graphs as SGLang
+#: resolves them (`full` on CUDA), prefill without graphs. kvflow's decode hook is capturable
+#: (`graph.decode_step`: fixed-shape ops over the whole batch on per-slot tables the host writes
+#: between forwards); its extend hook is Python per row, and a prefill graph would capture it
+#: (SGLang's breakable prefill graph runs attention eagerly only behind a layer flag). The
+#: tripwire in `evict.py` (a per-row counter the captured ops advance, checked after every
+#: forward) proves every token observed, replayed or not
+EVICTING = {"cuda_graph_config": {"prefill": {"backend": "disabled"}}}
 
 def check_installed() -> Optional[str]:
     if importlib.util.find_spec("sglang") is None:
@@ -88,16 +91,17 @@ EVICTING_ATTENTION = ("torch_native", "triton", "flashinfer", "fa3")
 _HYBRID = ("separate prefill and decode backends run through SGLang's hybrid backend, which bypasses the hook "
            "kvflow observes attention with")
 
-#: ... and on an engine that serves evicted proposers (the hooks of `evict.py`)
+#: ... and on an engine that serves evicted proposers (the hooks of `evict.py`). Decode graphs
+#: are served (kvflow's decode hook is captured with them: `graph.py`); what is refused is
+#: what its Python parts would not survive
 REFUSED_EVICTING = (
-    ("disable_cuda_graph", lambda v: v is False,
-     "a replayed decode graph runs none of kvflow's attention hooks (query windows, H2O statistics, hole masks "
-     "would go stale); kvflow decodes evicted requests without graphs"),
-    ("cuda_graph_config", lambda v: v is not None and graphs_on(v),
-     "SGLang resolved graphs for a forward phase (a replayed graph runs none of kvflow's attention hooks); "
-     "kvflow sets `disable_cuda_graph: true` for evicting engines"),
+    ("cuda_graph_config", lambda v: v is not None and graphs_on(v, "prefill"),
+     "a prefill graph would capture kvflow's extend hook, which is Python per evicted row (query windows, H2O "
+     "statistics, hole masks for the tokens an extend appends); kvflow sets the prefill phase to `disabled` "
+     "(decode graphs are served)"),
     ("enable_torch_compile", lambda v: v is True,
-     "a compiled forward bakes kvflow's Python attention hooks in at trace time"),
+     "torch.compile traces the forward with kvflow's extend hook (Python per row) in it; only the decode hook "
+     "is written to be captured"),
     ("page_size", lambda v: v not in (None, 1),
      "a head keeps its own tokens in a request's slots: one token per page"),
     ("attention_backend", lambda v: v is not None and v not in EVICTING_ATTENTION,
@@ -118,12 +122,17 @@ REFUSED_EVICTING = (
 )
 
 
-def graphs_on(cuda_graph_config) -> bool:
-    """Does SGLang's resolved `cuda_graph_config` ({phase: {"backend": ...}}) run any forward
-    phase as a graph? (`disable_cuda_graph` is only an input: SGLang also turns graphs off
-    itself, e.g. for `torch_native`.) A config written by hand (not a mapping) counts as on."""
+def graphs_on(cuda_graph_config, phase: Optional[str] = None) -> bool:
+    """Does SGLang's resolved `cuda_graph_config` ({phase: {"backend": ...}}) run a forward
+    phase (any, or `phase`) as a graph? (`disable_cuda_graph` is only an input: SGLang also
+    turns graphs off itself, e.g. for `torch_native`.) A config written by hand (not a mapping)
+    counts as on. A phase (or backend) a user's config leaves out is not asked for: kvflow's
+    defaults fill it in (`engine_kwargs` merges per phase), and what SGLang resolved is judged too."""
     if not isinstance(cuda_graph_config, dict):
         return True
+    if phase is not None:
+        p = cuda_graph_config.get(phase)
+        return p is not None and (not isinstance(p, dict) or p.get("backend") not in (None, "disabled"))
     return any(isinstance(p, dict) and p.get("backend") not in (None, "disabled") for p in cuda_graph_config.values())
 
 
@@ -201,7 +210,12 @@ def engine_kwargs(model_cfg, evicting: bool = True) -> dict:
         kwargs.update(CPU)
     if evicting:
         kwargs.update(EVICTING)
-    kwargs.update(model_cfg.engine or {})
+    own = dict(model_cfg.engine or {})
+    if evicting and isinstance(own.get("cuda_graph_config"), dict):  # per phase over kvflow's (prefill off)
+        ours = EVICTING["cuda_graph_config"]
+        own["cuda_graph_config"] = {phase: {**ours.get(phase, {}), **(own["cuda_graph_config"].get(phase) or {})}
+                                    for phase in {*ours, *own["cuda_graph_config"]}}
+    kwargs.update(own)
     return kwargs
 
 
