@@ -72,7 +72,7 @@ def scorer_for(engine: str, directory: Path):
         from kvflow.backends.sglang import SGLangBackend
 
         cfg = ModelConfig(backend="sglang", id=str(directory), dtype="float32", device="cpu",
-                          engine={"enable_return_hidden_states": True})
+                          engine=PRMScorer.engine_settings(PRMScorer.Params(model="prm"), "sglang"))
         ctx = ScorerContext(load_session=lambda key: SGLangBackend.load(cfg, evicting=False).scoring_session(),
                             proposers=["base"], seed=0, models={"prm": cfg})
         return PRMScorer(PRMScorer.Params(model="prm"), ctx)

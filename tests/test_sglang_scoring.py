@@ -58,8 +58,18 @@ def test_qwen_prm_on_sglang_equals_hf(prm_dir):
         on_sglang.score(rounds(pid, long[: k + 1])[k])
         costs.append(on_sglang.forward.tokens_run - before)
     assert costs[1] < costs[0] / 3 and costs[3] < costs[2] / 3, costs
+    # a long new problem, 8 candidates at once (~10k tokens: more than SGLang's prefill chunk on
+    # a CPU; the hidden states of a chunked prefill would come back for its last chunk only)
+    from kvflow.components.base import Candidate, ScoreRequest, Step, Trajectory
+
+    traj = Trajectory("c", "A long one: add 3k + 7 for k = 0..59.", "prompt",
+                      steps=[Step(f"Step {i}: x{i} = {i} * 3 + 7 = {3 * i + 7}.\n\n", "base", None, 1) for i in range(60)])
+    big = [ScoreRequest(traj, Candidate(0, "base", c, f"So x = {c}." + " Check." * c, [1], [0.0], [0.0], "delimiter"))
+           for c in range(8)]
+    assert_same([on_sglang.score(big)], [on_hf.score(big)])
     # a fresh scorer (nothing kept) on prefixes the engine has cached asks again, capped: same scores
-    fresh = PRMScorer(PRMScorer.Params(**params), sglang_context(prm_dir, {"enable_return_hidden_states": True}))
+    fresh = PRMScorer(PRMScorer.Params(**params),
+                      sglang_context(prm_dir, PRMScorer.engine_settings(PRMScorer.Params(**params), "sglang")))
     assert_same(run(fresh, plan[:3]), run(on_hf, plan[:3]))
 
 
@@ -95,7 +105,8 @@ def test_a_prm_engine_on_sglang_gets_hidden_states_and_keeps_its_own_settings():
 
     loaded = load_pipeline(REPO / "pipelines" / "sglang" / "kv_rescue.yaml")
     prm = scorer_engines(loaded).pipeline.models["prm"]
-    assert prm.engine == {"enable_return_hidden_states": True, "mem_fraction_static": 0.3}
+    assert prm.engine == {"enable_return_hidden_states": True, "chunked_prefill_size": -1,
+                          "mem_fraction_static": 0.3}
     assert scorer_engines(loaded).pipeline.models["helper"] == loaded.pipeline.models["helper"]
     on_hf = load_pipeline(REPO / "pipelines" / "kv_rescue.yaml")
     assert scorer_engines(on_hf).pipeline.models["prm"].engine == on_hf.pipeline.models["prm"].engine

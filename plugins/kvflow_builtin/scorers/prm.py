@@ -136,7 +136,9 @@ class PRMScorer(StepScorer):
     def engine_settings(cls, params, backend: str) -> dict:
         """Engine settings the scorer's model needs on `backend` (merged under the entry's own)."""
         if backend == "sglang" and params.protocol == "qwen25-math-prm":
-            return {"enable_return_hidden_states": True}  # the PRM's head outputs come back as hidden states
+            # the PRM's head outputs come back as hidden states, which SGLang keeps for the last
+            # chunk of a chunked prefill only: no chunks (a scoring engine only prefills)
+            return {"enable_return_hidden_states": True, "chunked_prefill_size": -1}
         return {}
 
     def __init__(self, params, context) -> None:

@@ -113,8 +113,13 @@ class _Worker:
                 if start is not None:
                     kw.update(return_logprob=True, logprob_start_len=start)
                 out = await self.engine.async_generate(input_ids=input_ids, rid=rid, **kw)
-                hidden = out["meta_info"]["hidden_states"][0]  # the prefill's positions
-                values, first = hidden, len(input_ids) - len(hidden)
+                values = out["meta_info"]["hidden_states"][0]  # the prefill's positions
+                first = len(input_ids) - len(values)
+                if first != (out["meta_info"].get("cached_tokens") or 0):
+                    # SGLang keeps the hidden states of a chunked prefill's last chunk only
+                    raise RuntimeError(f"hidden states for {len(values)} of the {len(input_ids)} input tokens, "
+                                       f"{out['meta_info'].get('cached_tokens')} of them cached: the prefill was split "
+                                       "into chunks; a PRM's engine needs engine.chunked_prefill_size: -1")
             else:
                 out = await self.engine.async_generate(
                     input_ids=input_ids, sampling_params={"max_new_tokens": 1, "temperature": 0.0}, rid=rid,
