@@ -424,16 +424,21 @@ class Runtime:
             return self._run(per_row, layer.layer_id, q, out, forward_batch)
         if self.rows and not self.skip:
             self._ensure(backend, layer, q)
-            self.attended(q, layer, forward_batch)
-            self.masked_attention(q, out, layer)
+
+            def per_row_eager(q_, out_, rpi, seq_lens):
+                self.attended(q_, layer, forward_batch)
+                self.masked_attention(q_, out_, layer)
+                return out_
+
+            return self._run(per_row_eager, layer.layer_id, q, out, forward_batch, replayed=False)
         return out
 
-    def _run(self, fn, lid, q, out, forward_batch):
+    def _run(self, fn, lid, q, out, forward_batch, replayed: bool = True):
         counter = self.ops
         if counter is not None:
             counter.in_hook = True
         try:
-            if self.proxy is None:
+            if self.proxy is None or not replayed:
                 return fn(q, out, forward_batch.req_pool_indices, forward_batch.seq_lens)
             return self.proxy.run(lid, fn, q, out, forward_batch.req_pool_indices, forward_batch.seq_lens,
                                   self._as_at_capture)
@@ -733,8 +738,11 @@ def _attention(original, backend, q, k, v, layer, forward_batch, *args, **kwargs
 
 
 def _capturing() -> bool:
-    """Is a CUDA graph being captured right now (SGLang's decode graphs, at engine start)?"""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    """Is SGLang capturing its decode graphs (engine start: two eager warm-up forwards, in
+    which kvflow's tables are made, then the capture)?"""
+    from sglang.srt.model_executor.runner_utils.capture_mode import get_is_capture_mode
+
+    return get_is_capture_mode() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def _counting(original, runner, forward_batch, *args, **kwargs):
@@ -745,7 +753,8 @@ def _counting(original, runner, forward_batch, *args, **kwargs):
     counter.total = counter.hook = 0
     with counter:
         out = original(runner, forward_batch, *args, **kwargs)
-    RUNTIME.op_counts.append({"rows": int(forward_batch.batch_size), "evicted_rows": len(RUNTIME.rows or ()),
+    RUNTIME.op_counts.append({"forward": RUNTIME.decode_forwards, "rows": int(forward_batch.batch_size),
+                              "evicted_rows": len(RUNTIME.rows or ()),
                               "ops": counter.total, "hook_ops": counter.hook,
                               "plan_ops": RUNTIME.host_counts.pop("plan_ops", 0)})
     del RUNTIME.op_counts[:-256]  # the latest (what `server_state()` reads)
