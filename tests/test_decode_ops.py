@@ -99,3 +99,50 @@ def test_one_attention_call_per_layer():
         DecodeBatch.attend = original
     layers = 2  # tiny_engine's
     assert len(calls) - before == 3 * layers  # three steps
+
+
+@pytest.mark.parametrize("kind", ["none", "rkv"])
+def test_a_draining_pool_attends_over_its_live_rows_exactly(kind, monkeypatch):
+    """A proposal decoded next to five that end after one token (their rows are handed back
+    at once): from the second step its 2 rows are under a third of the pool's 12, so
+    attention runs over copies of the live rows only. Its tokens equal those of the same batch
+    attending over every row and those it gets alone, its logprobs within float noise (the
+    attention's span differs: a GEMM over a longer, masked key axis rounds differently)."""
+    from kvflow.backends.hf import decode_batch
+    from kvflow.components.engine import ProposeRequest, SamplingSpec, StartRequest
+
+    ev = _evictors()[kind]
+    gathered = []
+    original = decode_batch._Part.__init__
+
+    def init(self, *args):
+        original(self, *args)
+        gathered.append(self.gather is not None)
+
+    monkeypatch.setattr(decode_batch._Part, "__init__", init)
+
+    def decode(others: int):
+        engine = tiny_engine("qwen2", seed=1)
+        engine.runner.eos_ids = set()
+        states = engine.start([StartRequest(QUESTION + " x" * i, ev, i) for i in range(others + 1)])
+        main = ProposeRequest(states[0], "base", SamplingSpec(2, 0.7, 0.95, 10, "\x00\x01"), 0, 100)
+        short = [ProposeRequest(s, "base", SamplingSpec(2, 0.7, 0.95, 1, "\x00\x01"), i + 1, 100)
+                 for i, s in enumerate(states[1:])]
+        engine.submit(short[:2] + [main] + short[2:])  # the main proposal's rows in the middle of the pool
+        while engine.busy_rows():
+            for p in engine.step():
+                if p.request is main:
+                    return [(c.token_ids, c.logprobs) for c in p.candidates]
+
+    alone = decode(0)
+    assert not any(gathered)
+    together = decode(5)
+    assert any(gathered)
+    monkeypatch.setattr(decode_batch, "_GATHER_BELOW", 0.0)
+    gathered.clear()
+    every_row = decode(5)
+    assert not any(gathered)
+    for other in (every_row, alone):
+        assert [ids for ids, _ in together] == [ids for ids, _ in other]
+        for (_, a), (_, b) in zip(together, other):
+            assert a == pytest.approx(b, abs=1e-5)

@@ -56,6 +56,23 @@ def grown_capacity(current: int, need: int) -> int:
     return max(-(-need // _GROW) * _GROW, 2 * current)
 
 
+def _runs(rows: list[int]) -> list[tuple[int, int]]:
+    """[start, end) runs of consecutive ids in an ascending list."""
+    runs: list[tuple[int, int]] = []
+    for r in rows:
+        if runs and runs[-1][1] == r:
+            runs[-1] = (runs[-1][0], r + 1)
+        else:
+            runs.append((r, r + 1))
+    return runs
+
+
+def _take(t: torch.Tensor, rows: torch.Tensor, run: Optional[tuple[int, int]]) -> torch.Tensor:
+    """t's rows (dim 0) as a new tensor: a slice's copy when they are one run of consecutive
+    ids (on a CPU far faster than index_select of bf16 rows)."""
+    return t[run[0] : run[1]].clone() if run is not None else t.index_select(0, rows)
+
+
 def _pad_rows(t: torch.Tensor, n: int) -> torch.Tensor:
     """t with zero rows appended up to n rows (dim 0)."""
     out = t.new_zeros(n, *t.shape[1:])
@@ -291,17 +308,19 @@ class BudgetedCache(LayerAllocation, Cache):
                             self.kv_heads)
         dev_rows = rows.to(self.device)
         cut = slice(None) if self.evictor.bounded else slice(0, capacity)  # bounded layers may differ in capacity
+        runs = _runs(rows.tolist()) if len(rows) and bool((rows[1:] > rows[:-1]).all()) else []
+        run = runs[0] if len(runs) == 1 else None  # one run of consecutive rows (an adoption: one row)
         for src, dst in zip(self.layers, out.layers):
             if src.is_initialized:
-                dst.keys = src.keys[:, :, cut].index_select(0, dev_rows)
-                dst.values = src.values[:, :, cut].index_select(0, dev_rows)
+                dst.keys = _take(src.keys[:, :, cut], dev_rows, run)
+                dst.values = _take(src.values[:, :, cut], dev_rows, run)
                 if src.qstore is not None:
-                    dst.qstore = src.qstore.map_rows(lambda t: t.index_select(0, dev_rows))
+                    dst.qstore = src.qstore.map_rows(lambda t: _take(t, dev_rows, run))
                 if src.stats is not None:
-                    dst.stats = src.stats[:, :, cut].index_select(0, dev_rows)
+                    dst.stats = _take(src.stats[:, :, cut], dev_rows, run)
                 dst.is_initialized = True
             if src.queries is not None:
-                dst.queries = src.queries.index_select(0, dev_rows)
+                dst.queries = _take(src.queries, dev_rows, run)
         return out
 
     def add_rows(self, n: int) -> torch.Tensor:
@@ -345,6 +364,10 @@ class BudgetedCache(LayerAllocation, Cache):
         if not bounded:
             self.reserve(used + 1)
         dev_dst, dev_src = dst.to(self.device), src_rows.to(self.device)
+        # a fork (one source row) into runs of consecutive rows: strided copies, which on a CPU
+        # run ~10x faster than index_copy_/index_select of bf16 rows
+        one = len(src_rows) > 0 and bool((src_rows == src_rows[0]).all())
+        runs = _runs(dst.tolist()) if one else None
 
         def put(d: torch.Tensor, s: Optional[torch.Tensor], slots: Optional[int] = None) -> None:
             if s is None:  # the source never ran a forward: an empty row
@@ -357,7 +380,12 @@ class BudgetedCache(LayerAllocation, Cache):
                 d.index_fill_(0, dev_dst, 0)
             if n is not None:
                 d, s = d.narrow(2, 0, n), s.narrow(2, 0, n)
-            d.index_copy_(0, dev_dst, s.index_select(0, dev_src))
+            if runs is not None:
+                row = int(src_rows[0])
+                for a, b in runs:
+                    d[a:b].copy_(s[row : row + 1].expand(b - a, *s.shape[1:]))
+            else:
+                d.index_copy_(0, dev_dst, s.index_select(0, dev_src))
 
         for s_layer, d_layer in zip(src.layers, self.layers):
             if s_layer.is_initialized and not d_layer.is_initialized:

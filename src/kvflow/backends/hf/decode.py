@@ -122,6 +122,7 @@ class HFEngine:
         self.waiting: deque[ProposeRequest] = deque()
         self.running: list[_Running] = []
         self.pools: dict[int, tuple[Evictor, RowPool]] = {}  # id(evictor) -> (evictor, its pool)
+        self._lay: Optional[_Layout] = None  # the forward's layout while the running rows stay the same
         self._eos = torch.as_tensor(sorted(runner.eos_ids), dtype=torch.long)
         self._delimiters: dict[str, DelimiterTable] = {}
         self.forwards = 0  # decode forwards run
@@ -132,6 +133,7 @@ class HFEngine:
         self.waiting.clear()
         self.running.clear()
         self.pools = {}
+        self._lay = None
         self.table = _RowTable()
 
     # ------------------------------------------------------------------ text and shapes
@@ -221,10 +223,8 @@ class HFEngine:
         self._admit(max_rows)
         if not self.running:
             return []
-        order, bounds = self._order()
-        parts = [(pool.cache, torch.cat([self.running[i].held.ids[self.running[i].live] for i in idx]))
-                 for pool, idx in self._by_pool()]  # one part per pool: its live rows, forward order
-        rows = torch.cat([self.running[i].rows[self.running[i].live] for i in order])  # [L] row-table ids
+        lay = self._layout()
+        parts, rows, bounds = lay.parts, lay.rows, lay.bounds  # rows: [L] row-table ids, forward order
         t = self.table
         running = {r.request.proposer for r in self.running}  # named in pipeline order (the label's)
         names = "+".join([n for n in self.label.split("+") if n in running] or sorted(running))
@@ -239,28 +239,30 @@ class HFEngine:
         t.pending[rows] = new
         # stop rules, batched over every live row: EOS, then the delimiter, then the step cap;
         # then the pruners, over the rows these left live
-        spans = self._spans()
         hit = torch.zeros_like(new, dtype=torch.bool)
-        for delimiter, idx in _groups(self.running, lambda r: r.request.spec.delimiter):
-            sel = torch.cat([spans[i] for i in idx])  # positions in the forward of these proposals' rows
-            table = self._delimiter(delimiter)
+        for delimiter, sel in lay.groups("delimiter", lambda r: r.request.spec.delimiter):
+            table = self._delimiter(delimiter)  # sel: positions in the forward of these proposals' rows
             state = t.state[rows[sel]]
             hit[sel] = table.hit[state, new[sel]]
             t.state[rows[sel]] = table.next[state, new[sel]]
         finish = torch.where(torch.isin(new, self._eos), _EOS,
                              torch.where(hit, _DELIMITER, torch.where(pos + 1 >= t.cap[rows], _CAP, _LIVE)))
-        for r, span in zip(self.running, spans):
-            if r.texts is not None:
-                for j, tok in zip(r.live.tolist(), new[span].tolist()):
-                    r.texts[j] += self.runner.piece(tok)
+        if any(r.texts is not None for r in self.running):
+            tokens = new.tolist()
+            for r, (a, b) in zip(self.running, bounds):
+                if r.texts is not None:
+                    for j, tok in zip(r.live.tolist(), tokens[a:b]):
+                        r.texts[j] += self.runner.piece(tok)
         with self.clock.phase("prune"):  # one trace per proposer: its proposals' rows together
-            for _, idx in _groups(self.running, lambda r: id(r.request.spec)):
+            for (_, idx), (_, sel) in zip(lay.grouped("prune", lambda r: id(r.request.spec)),
+                                          lay.groups("prune", lambda r: id(r.request.spec))):
                 if self.running[idx[0]].request.spec.pruners:
-                    sel = torch.cat([spans[i] for i in idx])
                     finish[sel] = self._prune([self.running[i] for i in idx], rows[sel], finish[sel])
         t.finish[rows] = finish
         ended = (finish != _LIVE).tolist()  # the step's one host sync
         done: list[Proposal] = []
+        if any(ended):
+            self._lay = None  # the rows changed: the next step lays them out again
         for r, (a, b) in zip(list(self.running), bounds):
             mine = ended[a:b]
             if any(mine):
@@ -270,6 +272,13 @@ class HFEngine:
                     done.append(self._finish(r))
         return done
 
+    def _layout(self) -> "_Layout":
+        """This step's forward layout, kept while no proposal is admitted and no row ends
+        (then a step builds no per-proposal index: its host work does not grow with proposals)."""
+        if self._lay is None:
+            self._lay = _Layout(self)
+        return self._lay
+
     def _pool(self, evictor: Evictor) -> RowPool:
         entry = self.pools.get(id(evictor))
         if entry is None:  # the evictor is kept with its pool, so its id stays its own
@@ -277,30 +286,17 @@ class HFEngine:
             entry = self.pools[id(evictor)] = (evictor, pool)
         return entry[1]
 
-    def _by_pool(self) -> list[tuple[RowPool, list[int]]]:
-        """Running proposals grouped by row pool (first appearance order): indices into running."""
-        return [(self.running[idx[0]].held.pool, idx) for _, idx in _groups(self.running, lambda r: id(r.held.pool))]
-
-    def _order(self) -> tuple[list[int], list[tuple[int, int]]]:
-        """This step's forward order (running proposals pool by pool) and each running
-        proposal's [start, end) among the forward's rows."""
-        order = [i for _, idx in self._by_pool() for i in idx]
-        bounds: list[tuple[int, int]] = [(0, 0)] * len(self.running)
-        start = 0
-        for i in order:
-            k = len(self.running[i].live)
-            bounds[i] = (start, start + k)
-            start += k
-        return order, bounds
-
     def _admit(self, max_rows: Optional[int]) -> None:
         for _, pool in self.pools.values():
             pool.reclaim()
         busy = sum(len(r.live) for r in self.running)
         admitted = []
-        while self.waiting and (max_rows is None or not self.running or busy + self.waiting[0].spec.n <= max_rows):
+        while self.waiting and (max_rows is None or not (self.running or admitted)
+                                or busy + self.waiting[0].spec.n <= max_rows):
             admitted.append(self.waiting.popleft())
             busy += admitted[-1].spec.n
+        if admitted:
+            self._lay = None
         room: dict[int, list] = {}  # id(pool) -> [pool, rows, slots]: one growth per pool for the burst
         for req in admitted:
             pool = self._pool(req.state.cache.evictor)
@@ -327,14 +323,12 @@ class HFEngine:
             self.running.append(_Running(req, held, rows))
 
     def _sample(self, logits: torch.Tensor, rows: torch.Tensor):
-        groups = _groups(self.running, lambda r: (r.request.spec.temperature, r.request.spec.top_p))
+        groups = self._layout().groups("sample", lambda r: (r.request.spec.temperature, r.request.spec.top_p))
         if len(groups) == 1:
             return self._sample_rows(logits, rows, *groups[0][0])
         new = torch.zeros(len(rows), dtype=torch.long)
         logprob, entropy = torch.zeros(len(rows)), torch.zeros(len(rows))
-        spans = self._spans()
-        for key, idx in groups:
-            sel = torch.cat([spans[i] for i in idx])
+        for key, sel in groups:
             new[sel], logprob[sel], entropy[sel] = self._sample_rows(logits[sel], rows[sel], *key)
         return new, logprob, entropy
 
@@ -346,7 +340,7 @@ class HFEngine:
 
     def _spans(self) -> list[torch.Tensor]:
         """Positions of each running proposal's live rows in this step's forward."""
-        return [torch.arange(a, b) for a, b in self._order()[1]]
+        return [torch.arange(a, b) for a, b in self._layout().bounds]
 
     def _prune(self, group: list[_Running], rows: torch.Tensor, finish: torch.Tensor) -> torch.Tensor:
         """Run the pruners of one proposer over the rows of its running proposals that are
@@ -397,6 +391,42 @@ class HFEngine:
         if table is None:
             table = self._delimiters[delimiter] = DelimiterTable(self.runner.pieces(), delimiter, "cpu")
         return table
+
+
+class _Layout:
+    """Where the running proposals' live rows sit in a decode step's forward: pool by pool
+    (one part each), proposals in running order within a pool. Built when the running rows
+    change; the per-group positions are built on first use and kept with it."""
+
+    def __init__(self, engine: "HFEngine") -> None:
+        running = engine.running
+        self.running = running
+        by_pool = _groups(running, lambda r: id(r.held.pool))
+        order = [i for _, idx in by_pool for i in idx]
+        self.bounds: list[tuple[int, int]] = [(0, 0)] * len(running)  # running proposal -> [start, end) in the forward
+        start = 0
+        for i in order:
+            k = len(running[i].live)
+            self.bounds[i] = (start, start + k)
+            start += k
+        self.parts = [(running[idx[0]].held.pool.cache, torch.cat([running[i].held.ids[running[i].live] for i in idx]))
+                      for _, idx in by_pool]  # (pool cache, its live rows in forward order)
+        self.rows = torch.cat([running[i].rows[running[i].live] for i in order])  # [L] row-table ids
+        self._grouped: dict[str, list] = {}
+        self._groups: dict[str, list] = {}
+
+    def grouped(self, name: str, key) -> list[tuple[object, list[int]]]:
+        """Running proposals grouped by key(proposal): (key, indices into running)."""
+        if name not in self._grouped:
+            self._grouped[name] = _groups(self.running, key)
+        return self._grouped[name]
+
+    def groups(self, name: str, key) -> list[tuple[object, torch.Tensor]]:
+        """(key, positions in the forward of the group's live rows [k] int64), per group."""
+        if name not in self._groups:
+            self._groups[name] = [(k, torch.cat([torch.arange(*self.bounds[i]) for i in idx]))
+                                  for k, idx in self.grouped(name, key)]
+        return self._groups[name]
 
 
 class _LazyTexts(Sequence):

@@ -149,7 +149,7 @@ class DecodeBatch(Cache):
         outs = []
         for part, q, k, v in zip(self.parts, query.split(self.counts), key.split(self.counts),
                                  value.split(self.counts)):
-            cache, live = part.cache, part.live
+            cache, live, q_live = part.cache, part.live, q
             if not part.full:  # rows that are not live: a zero query and key, written to the scratch slot
                 q, k, v = (x.new_zeros(cache.n_rows, *x.shape[1:]).index_copy_(0, live, x) for x in (q, k, v))
             layer = cache.layers[layer_idx]
@@ -158,6 +158,11 @@ class DecodeBatch(Cache):
                 layer.record_queries(q)
             if cache.observes:
                 layer.observe(q, keys, scaling, layer_idx)
+            if part.gather is not None:  # few live rows: attend over copies of theirs (up to their longest)
+                keys, values = (x[:, :, : part.gather][live] for x in (keys, values))  # [L, kv_heads, span', D]
+                out, _ = attention(module, q_live, keys, values, part.mask(layer_idx, q_live, live=True), **kwargs)
+                outs.append(out)
+                continue
             out, _ = attention(module, q, keys, values, part.mask(layer_idx, q), **kwargs)  # [rows, 1, heads, D]
             outs.append(out if part.full else out.index_select(0, live))
         return torch.cat(outs) if len(outs) > 1 else outs[0], None
@@ -167,21 +172,37 @@ class DecodeBatch(Cache):
             part.cache.end_forward(part.step_lens)
 
 
+_GATHER_BELOW = 1 / 3  # live share of a part's rows under which attention runs over copies of the live rows
+
+
 class _Part:
     """One cache of a DecodeBatch and its step's additive masks (built once per step, or
-    once per layer for allocations that vary by layer)."""
+    once per layer for allocations that vary by layer).
+
+    A part whose live rows are few (under a third of its rows: a pool draining at the end of
+    a round, or holding ended proposals until they are released) attends over copies of the
+    live rows' keys and values, up to the longest of them (`gather`: that span, else None),
+    instead of over every row: the copy reads and writes what the attention then reads, so it
+    pays below a third. Layouts whose layers differ (varying allocations, quantized storage)
+    always attend over all rows."""
 
     def __init__(self, cache: BudgetedCache, live: torch.Tensor, full: bool, step_lens: torch.Tensor) -> None:
         self.cache, self.live, self.full, self.step_lens = cache, live, full, step_lens
-        self._masks: dict[int, Optional[torch.Tensor]] = {}
+        self._masks: dict[tuple[int, bool], Optional[torch.Tensor]] = {}
+        self.gather: Optional[int] = None
+        if not full and not cache.varies and not cache.quant and len(live) < _GATHER_BELOW * cache.n_rows:
+            self.gather = int(cache.rows.lengths.index_select(0, live.cpu()).max()) + 1  # the live rows' new span
 
-    def mask(self, layer_idx: int, query: torch.Tensor) -> Optional[torch.Tensor]:
+    def mask(self, layer_idx: int, query: torch.Tensor, live: bool = False) -> Optional[torch.Tensor]:
         """[rows, 1 or q_heads, 1, span] in the query's dtype: 0 where a key is attended, the
-        dtype's lowest value elsewhere (not -inf: a free row, with no key, gets no NaN)."""
-        key = layer_idx if self.cache.varies else 0
+        dtype's lowest value elsewhere (not -inf: a free row, with no key, gets no NaN); with
+        `live`, the live rows' [L, ..., gather]."""
+        key = (layer_idx if self.cache.varies else 0, live)
         if key not in self._masks:
             mask = self.cache.attention_mask(layer_idx, query.shape[1])  # bool or None
             if mask is not None:
+                if live:
+                    mask = mask[:, :, :, : self.gather].index_select(0, self.live)
                 mask = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill_(
                     ~mask, torch.finfo(query.dtype).min)
             self._masks[key] = mask
