@@ -15,8 +15,10 @@ positions itself (`kvflow.backends.sglang.scoring.PositionValues`). The LM head 
 for the one token it samples is the embedding matrix (a PRM has none; that token is unused),
 so the model costs no more memory than the checkpoint.
 
-Registered with `register()` in every process of a kvflow-started engine (plugin.py), only
-under a name SGLang does not already serve. No SGLang file is changed.
+Registered with `register()` in every process of a kvflow-started engine that serves a PRM
+(plugin.py), only under a name SGLang does not already serve, together with an extend attention
+for SGLang's CPU backend that runs only the new tokens' queries (`new_queries_only`: SGLang's
+own runs the cached prefix's too, quadratic in the row's length). No SGLang file is changed.
 """
 
 from __future__ import annotations
@@ -78,9 +80,50 @@ class Qwen2ForProcessRewardModel(nn.Module):
         return result
 
 
+_EXTEND = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend._run_sdpa_forward_extend"
+
+
 def register() -> None:
-    """Add the class to SGLang's model registry (where no model of that name is served)."""
+    """Add the class to SGLang's model registry (where no model of that name is served), and
+    the extend attention below to SGLang's CPU backend of this engine."""
     from sglang.srt.models.registry import ModelRegistry
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     if ARCH not in ModelRegistry.models:
         ModelRegistry.models[ARCH] = Qwen2ForProcessRewardModel
+    HookRegistry.register(_EXTEND, new_queries_only, HookType.AROUND)
+
+
+def new_queries_only(original, backend, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                     extend_prefix_lens, extend_seq_lens, encoder_lens=None, scaling=None, enable_gqa=False,
+                     causal=False, is_cross_attn=False, sliding_window_size=None):
+    """SGLang's `torch_native` extend attention (the CPU's) runs a query for every position of
+    a request, cached prefix included, and keeps the new ones: O(length^2) per request however
+    short the extension, which makes a scoring round over a cached prefix grow with the square
+    of the trajectory. This runs only the new queries against the whole row (a causal mask
+    offset by the prefix): O(new x length). Same attention; the engine's own path for anything
+    else (not causal, sliding windows, encoders). Registered for PRM engines only.
+
+    query, output: [new tokens (all requests'), heads, head_dim]."""
+    if not causal or is_cross_attn or encoder_lens is not None or (sliding_window_size is not None
+                                                                   and sliding_window_size > -1):
+        return original(backend, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                        extend_prefix_lens, extend_seq_lens, encoder_lens, scaling=scaling, enable_gqa=enable_gqa,
+                        causal=causal, is_cross_attn=is_cross_attn, sliding_window_size=sliding_window_size)
+    from torch.nn.functional import scaled_dot_product_attention
+
+    query = query.movedim(0, query.dim() - 2)  # [tokens, heads, dim] -> [heads, tokens, dim], as SGLang's
+    start = 0
+    for i in range(seq_lens.shape[0]):
+        n_new, prefix, length = int(extend_seq_lens[i]), int(extend_prefix_lens[i]), int(seq_lens[i])
+        q = query[:, start : start + n_new, :]  # [heads, new, dim]
+        tokens = req_to_token[req_pool_indices[i], :length]
+        k = k_cache[tokens].movedim(0, query.dim() - 2).to(q.dtype)  # [kv_heads, length, dim]
+        v = v_cache[tokens].movedim(0, query.dim() - 2).to(q.dtype)
+        # new query j (position prefix + j) sees keys 0..prefix + j
+        mask = torch.ones(n_new, length, dtype=torch.bool, device=q.device).tril(diagonal=prefix) if prefix else None
+        out = scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
+                                           enable_gqa=enable_gqa, scale=scaling, is_causal=not prefix)
+        output[start : start + n_new] = out.squeeze(0).movedim(query.dim() - 2, 0)
+        start += n_new
+    return output
