@@ -146,3 +146,45 @@ def test_a_draining_pool_attends_over_its_live_rows_exactly(kind, monkeypatch):
         assert [ids for ids, _ in together] == [ids for ids, _ in other]
         for (_, a), (_, b) in zip(together, other):
             assert a == pytest.approx(b, abs=1e-5)
+
+
+def test_a_pool_gives_back_rows_it_no_longer_uses():
+    """Ten proposals (20 rows); nine end after one token and eight are released: at the next
+    step the pool keeps only the 4 rows in use (the running proposal's and the one still
+    held), renumbered; the running proposal decodes the tokens it gets alone, and the held
+    one's handle still reads its own rows (adoption after the renumbering)."""
+    from kvflow.components.engine import ProposeRequest, SamplingSpec, StartRequest
+
+    ev = _evictors()["random"]
+
+    def decode(others: int):
+        engine = tiny_engine("qwen2", seed=1)
+        engine.runner.eos_ids = set()
+        states = engine.start([StartRequest(QUESTION + " x" * i, ev, i) for i in range(others + 1)])
+        main = ProposeRequest(states[0], "base", SamplingSpec(2, 0.0, 1.0, 10, "\x00\x01"), 0, 100)
+        short = [ProposeRequest(s, "base", SamplingSpec(2, 0.0, 1.0, 1, "\x00\x01"), i + 1, 100)
+                 for i, s in enumerate(states[1:])]
+        engine.submit(short[:4] + [main] + short[4:])
+        kept = None
+        while engine.busy_rows():
+            for p in engine.step():
+                if p.request is main:
+                    return engine, kept, [c.token_ids for c in p.candidates]
+                if kept is None and p.request is short[-1]:
+                    # held, like a proposal waiting to be scored (the others are dropped): what
+                    # adopting its second row gives now
+                    kept = p, p.handle.ids.tolist(), p.handle.select([1])
+        raise AssertionError("main did not finish")
+
+    _, _, alone = decode(0)
+    engine, (kept, ids_before, before), together = decode(9)
+    assert together == alone
+    (pool,) = [p for _, p in engine.pools.values()]
+    assert pool.cache.n_rows == 4  # shrunk from 20 to the rows in use
+    assert max(kept.handle.ids.tolist()) < 4 < max(ids_before)  # renumbered
+    after = kept.handle.select([1])  # the held proposal's second row, after renumbering
+    assert int(after.rows.lengths[0]) == int(before.rows.lengths[0]) > 0
+    assert int(after.rows.positions[0]) == int(before.rows.positions[0])
+    for a, b in zip(after.layers, before.layers):
+        n = int(before.rows.lengths[0])
+        assert torch.equal(a.keys[:, :, :n], b.keys[:, :, :n]) and torch.equal(a.values[:, :, :n], b.values[:, :, :n])

@@ -1,7 +1,7 @@
 """The attention function kvflow registers with transformers' `AttentionInterface`.
 
-It is sdpa with two differences (three for a decode step over several caches, a
-`DecodeBatch`, which attends part by part over each part's own slots): the mask comes from the `BudgetedCache` write plan (per-row
+It is sdpa with two differences (three for a decode step, a `DecodeBatch`, which writes and
+attends once per layer and row pool: `kvflow.backends.hf.decode_batch`): the mask comes from the `BudgetedCache` write plan (per-row
 valid lengths, right padding) instead of transformers' mask builders, and the post-RoPE
 queries are handed to the cache, which keeps the last W for attention-based evictors and,
 for evictors that observe attention (H2O), lets them update a per-token statistic. Caches of
@@ -24,7 +24,7 @@ NAME = "kvflow"
 
 def kvflow_attention(module, query, key, value, attention_mask, **kwargs):
     cache = kwargs.pop("kvflow_cache", None)
-    if hasattr(cache, "attend"):  # a DecodeBatch: attention part by part, each over its own slots
+    if hasattr(cache, "attend"):  # a DecodeBatch: one attention call per layer and row pool
         return cache.attend(sdpa_attention_forward, module, query, key, value, **kwargs)
     if cache is not None:
         if cache.varies:  # each layer has its own lengths and per-head holes

@@ -342,6 +342,26 @@ class BudgetedCache(LayerAllocation, Cache):
                 layer.queries = _pad_rows(layer.queries, total)
         return torch.arange(old, total)
 
+    def keep_rows(self, keep: torch.Tensor) -> None:
+        """Keep only rows `keep` (ascending ids), renumbered 0..k-1, dropping the others (a
+        row pool giving back rows it no longer uses; one copy of the kept rows)."""
+        self.rows = self.rows.select(keep)
+        runs = _runs(keep.tolist())
+        dev = keep.to(self.device)
+
+        def take(t: torch.Tensor) -> torch.Tensor:  # slices of consecutive rows: plain copies
+            return torch.cat([t[a:b] for a, b in runs]) if len(runs) <= 64 else t.index_select(0, dev)
+
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.keys, layer.values = take(layer.keys), take(layer.values)
+                if layer.stats is not None:
+                    layer.stats = take(layer.stats)
+                if layer.qstore is not None:
+                    layer.qstore = layer.qstore.map_rows(take)
+            if layer.queries is not None:
+                layer.queries = take(layer.queries)
+
     def reserve(self, slots: int) -> None:
         """An unbounded cache: room for `slots` slots per row (scratch slot included) from now
         on, grown geometrically (`grown_capacity`), so forwards up to there copy nothing."""

@@ -288,7 +288,8 @@ class HFEngine:
 
     def _admit(self, max_rows: Optional[int]) -> None:
         for _, pool in self.pools.values():
-            pool.reclaim()
+            if pool.shrink():  # freed rows leave the attention: the rows in use are renumbered
+                self._lay = None
         busy = sum(len(r.live) for r in self.running)
         admitted = []
         while self.waiting and (max_rows is None or not (self.running or admitted)

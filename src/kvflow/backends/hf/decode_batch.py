@@ -14,6 +14,7 @@ every layer, and CUDA's memory-efficient kernel takes a float mask as it is).
 from __future__ import annotations
 
 import heapq
+import threading
 import weakref
 from collections import deque
 from typing import Optional, Sequence
@@ -32,13 +33,41 @@ class RowPool:
     time it doubles), and an unbounded pool reserves, at each fork, the slots its new rows
     can reach (`length + token cap + 1`), so no decode step grows it. Rows of a proposal that
     has ended stay as they are until its handle (`PoolRows`) is dropped: they sit in the
-    attention call (their output is not used) but are not written.
+    attention call (their output is not used) but are not written. When at most half of the
+    rows are in use, `shrink()` moves them to the front and drops the rest (handles are
+    renumbered), so freed rows do not stay in every attention call.
     """
 
     def __init__(self, evictor, num_layers: int, device, kv_heads: int) -> None:
         self.cache = BudgetedCache(evictor, num_layers, new_rows(0), device, kv_heads=kv_heads)
         self.free: list[int] = []  # a heap of free row ids
-        self.returned: deque = deque()  # rows whose handle was dropped (appended from any thread)
+        self.returned: deque = deque()  # rows whose handle was dropped (from any thread)
+        self.holders: "weakref.WeakSet[PoolRows]" = weakref.WeakSet()
+        self.lock = threading.Lock()  # a handle dropped on another thread vs renumbering
+
+    def give_back(self, box: list) -> None:
+        """A handle was dropped: its rows (box[0], current numbering) are free at the next reclaim."""
+        with self.lock:
+            self.returned.append(box[0])
+
+    def shrink(self, min_rows: int = 16) -> bool:
+        """If at most half of the pool's rows (and at least `min_rows`) are in use, keep only
+        those, moved to the front in order (one copy of them), and renumber their handles.
+        Returns whether it did."""
+        with self.lock:
+            self.reclaim()
+            n = self.cache.n_rows
+            if n < min_rows or 2 * (n - len(self.free)) > n:
+                return False
+            free = set(self.free)
+            keep = torch.as_tensor([r for r in range(n) if r not in free], dtype=torch.long)
+            self.cache.keep_rows(keep)
+            new_id = torch.full((n,), -1, dtype=torch.long)
+            new_id[keep] = torch.arange(len(keep))
+            for holder in list(self.holders):
+                holder._box[0] = new_id[holder._box[0]]
+            self.free = []
+            return True
 
     def fork(self, state: BudgetedCache, n: int, rng_keys: Sequence[int], room: int) -> "PoolRows":
         """n copies of row 0 of `state` in free rows, each with its own evictor seed; `room`
@@ -77,8 +106,15 @@ class PoolRows:
     rows go back to the pool when this object is dropped (`HFEngine.release`)."""
 
     def __init__(self, pool: RowPool, rows: torch.Tensor) -> None:
-        self.pool, self.ids = pool, rows  # ids: [n] int64 pool rows
-        weakref.finalize(self, pool.returned.append, rows)
+        self.pool = pool
+        self._box = [rows]  # [n] int64 pool rows, renumbered in place by RowPool.shrink
+        pool.holders.add(self)
+        weakref.finalize(self, pool.give_back, self._box)
+
+    @property
+    def ids(self) -> torch.Tensor:
+        """[n] int64: these rows in the pool."""
+        return self._box[0]
 
     @property
     def evictor(self):
