@@ -495,6 +495,7 @@ class Runtime:
     def forwarded(self, processor, batch) -> None:
         """After a forward's results: check and count its tokens; compact running rows that are due."""
         seen = None
+        due: dict[tuple, list] = {}
         for i, req in enumerate(batch.reqs):
             live = self.live.get(req.rid)
             if live is None:
@@ -510,7 +511,62 @@ class Runtime:
             self.peak_slots = max(self.peak_slots, live.resident)
             if req.finished() or live.nominal < live.evictor.trigger:
                 continue
-            self._compact_row(processor, batch, i, req, live)
+            ev = live.evictor
+            if ev.varies(self.tables.layers):  # holes: per row
+                self._compact_row(processor, batch, i, req, live)
+            else:  # rows of one evictor and length come due together (a fork's candidates): at once
+                due.setdefault((id(ev), live.resident), []).append((i, req, live))
+        for group in due.values():
+            self._compact_rows(processor, batch, group)
+
+    def _compact_rows(self, processor, batch, group: list) -> None:
+        """Compact rows of one uniform-budget evictor and one length together: one `select` per
+        layer for all of them (its rows axis, as the hf cache calls it), one gather and one
+        write per layer. group: [(batch index, req, live)]."""
+        pool = processor.req_to_token_pool
+        kv = processor.token_to_kv_pool_allocator.get_kvcache()
+        t = self.tables
+        lives = [live for _, _, live in group]
+        ev, n, g = lives[0].evictor, lives[0].resident, len(group)
+        pool_idx = torch.tensor([req.kv.req_pool_idx for _, req, _ in group], device=pool.req_to_token.device)
+        rows = torch.tensor([live.row for live in lives], device=t.device)
+        slots = pool.req_to_token[pool_idx, :n].long()  # [G, n]
+        gens = [torch.Generator().manual_seed((live.rng_key * 1_000_003 + live.compactions) % 2**63) for live in lives]
+        protected = torch.tensor([live.n_protected for live in lives])
+        lengths = torch.full((g,), n)
+        w = ev.query_window
+        if w:
+            pos = (torch.tensor([live.written for live in lives])[:, None] - w + torch.arange(w)) % t.window  # [G, w]
+            pos = pos.to(t.device)
+        kept = ev.params.budget
+        for layer in range(t.layers):
+            k = kv.k_buffer[layer][slots].transpose(1, 2)  # [G, kv_heads, n, D]
+            v = kv.v_buffer[layer][slots].transpose(1, 2)
+            queries = t.queries[layer][rows[:, None], pos].transpose(1, 2) if w else None  # [G, q_heads, w, D]
+            stats = t.stats[layer][rows, :, :n] if ev.observes_attention else None  # [G, kv_heads, n]
+            keep = ev.select(k, v, queries, layer_idx=layer, lengths=lengths, n_protected=protected,
+                             generators=gens, stats=stats).to(k.device)  # [G, kv_heads, K]
+            idx = keep[..., None]
+            kv.k_buffer[layer][slots[:, :kept]] = k.gather(2, idx.expand(-1, -1, -1, k.shape[-1])).transpose(1, 2)
+            kv.v_buffer[layer][slots[:, :kept]] = v.gather(2, idx.expand(-1, -1, -1, v.shape[-1])).transpose(1, 2)
+            if stats is not None:
+                new = torch.zeros_like(t.stats[layer][rows])
+                new[:, :, :kept] = stats.gather(2, keep)
+                t.stats[layer][rows] = new
+        for (i, req, live) in group:  # SGLang's and kvflow's bookkeeping of each row (host side)
+            processor.tree_cache.free_kv_row(req.kv, [(kept, n)])
+            req.kv.kv_committed_len = req.kv.kv_allocated_len = kept
+            batch.seq_lens_cpu[i] = kept
+            live.offset += n - kept
+            live.resident = kept
+            live.compactions += 1
+            self.compactions += 1
+        index = torch.tensor([i for i, _, _ in group], device=batch.seq_lens.device)
+        batch.seq_lens[index] = kept
+        if getattr(batch, "orig_seq_lens", None) is not None:
+            batch.orig_seq_lens[index] = kept
+        batch.seq_lens_sum = None
+        t.offset_of[pool_idx] = torch.tensor([live.offset for live in lives], device=t.device)
 
     def _compact_row(self, processor, batch, i: int, req, live: Live) -> None:
         pool = processor.req_to_token_pool
