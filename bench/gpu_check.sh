@@ -14,6 +14,9 @@
 # Budget: about 8 minutes (model build ~1 min, three runs of growing size; the install ~10 s).
 #   bash bench/gpu_check.sh            # writes $OUT/gpu_check.json (or ./gpu_check.json)
 #   bash bench/gpu_check.sh sglang     # only the SGLang part (below), about 7 minutes
+#   bash bench/gpu_check.sh fast       # issue 25, about 8 minutes: overlap off/on (base + helper, 32
+#                                      # problems) and problems/min of KV-Rescue vs full-KV and evicted
+#                                      # best-of-N at 8 and 64 problems (bench/scheduler_throughput.py)
 #   bash bench/gpu_check.sh alloc      # only the allocations part (issue 18), about 4 minutes: the
 #                                      # varying-budget evictors on CUDA (hf), tokens/s and bytes held
 #                                      # vs uniform snapkv, 7B-shaped random weights, N = 8, 1024 tokens
@@ -73,7 +76,23 @@ alloc_part() {
     --dtype bfloat16 --n 8 --lengths 256,512,1024 --evictor snapkv,pyramidkv,ada-snapkv --budget 64 \
     --buffer 128 --out "${OUT:-.}/gpu_allocations.json"
 }
+fast_part() {  # issue 25: engines that overlap, and Table 3's throughput rows, on one GPU
+  # 7B/1.5B shapes at 14 of their 28 layers (to fit the budget), N = 8, 3 steps of <= 64 tokens
+  local common="--device cuda --layers 14 --n 8 --steps 3" f="${OUT:-.}/gpu_fast.jsonl"
+  : > "$f"
+  for o in off on; do  # base and helper on threads of their own (one GPU: launches interleave)
+    timeout 150 ${PYTHON:-python3} bench/scheduler_throughput.py $common --problems 32 --overlap $o | tee -a "$f" \
+      || echo "{\"failed\": \"overlap $o\"}" >> "$f"
+  done
+  for b in 8 64; do  # problems/min: KV-Rescue vs best-of-N of the base with full / evicted KV
+    for p in full-bon evicted-bon rescue; do
+      timeout 150 ${PYTHON:-python3} bench/scheduler_throughput.py $common --problems $b --pipeline $p | tee -a "$f" \
+        || echo "{\"failed\": \"$p $b\"}" >> "$f"
+    done
+  done
+}
 if [ "${1:-}" = "sglang" ]; then sglang_part; exit $?; fi
+if [ "${1:-}" = "fast" ]; then fast_part; exit $?; fi
 if [ "${1:-}" = "alloc" ]; then alloc_part; exit $?; fi
 : > "$out"
 for spec in "--problems 8 --n 8 --steps 2" "--problems 32 --n 8 --steps 3" "--problems 64 --n 8 --steps 3"; do

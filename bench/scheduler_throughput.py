@@ -56,6 +56,8 @@ def main():
     ap.add_argument("--steps", type=int, default=4, help="committed steps per problem")
     ap.add_argument("--step-tokens", type=int, default=64, help="max_step_tokens")
     ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument("--pipeline", default="rescue", choices=["rescue", "full-bon", "evicted-bon"],
+                    help="rescue: evicted base + full-KV helper; full-bon / evicted-bon: the base alone, N candidates")
     ap.add_argument("--overlap", default="auto", choices=["auto", "on", "off"],
                     help="run.overlap_engines: base and helper on threads of their own (auto: distinct GPUs only)")
     ap.add_argument("--shape", default="7b", choices=sorted(SHAPES), help="with --save-model")
@@ -89,14 +91,18 @@ def main():
     reg = Registry.from_plugins([("builtin", kvflow_builtin)])  # works without kvflow installed (PYTHONPATH)
     rnd, none = reg.get("evictors", "random"), reg.get("evictors", "none")
     t_load = time.perf_counter()
-    runners = {k: HFRunner(model(k, args.layers, args.vocab, dtype, args.device), tok) for k in SHAPES}
+    shapes = ["7b", "1.5b"] if args.pipeline == "rescue" else ["7b"]  # best-of-N: the base alone
+    runners = {k: HFRunner(model(k, args.layers, args.vocab, dtype, args.device), tok) for k in shapes}
     for r in runners.values():  # steps end at the delimiter or max_step_tokens only
         r.eos_ids = set()
     engines = {k: HFEngine(r) for k, r in runners.items()}
     t_load = time.perf_counter() - t_load
     spec = SamplingSpec(args.n, 0.7, 0.95, args.step_tokens, "\n\n")
-    proposers = [Proposer("base", engines["7b"], rnd(rnd.Params(budget=64, buffer=128, window=8)), spec),
-                 Proposer("helper", engines["1.5b"], none(none.Params()), spec)]
+    evicted = rnd(rnd.Params(budget=64, buffer=128, window=8))
+    # Table 3's rows: KV-Rescue, and best-of-N of the base alone with full or evicted KV
+    proposers = [Proposer("base", engines["7b"], none(none.Params()) if args.pipeline == "full-bon" else evicted, spec)]
+    if args.pipeline == "rescue":
+        proposers.append(Proposer("helper", engines["1.5b"], none(none.Params()), spec))
     names = [p.name for p in proposers]
     scorer_cls, committer_cls = reg.get("scorers", "random"), reg.get("committers", "best")
     plan = Plan(proposers, scorer_cls(scorer_cls.Params(), ScorerContext(None, names, 0)),
@@ -121,7 +127,8 @@ def main():
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "host": platform.node(),
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor(),
         "torch": torch.__version__, "args": vars(args), "load_s": round(t_load, 1), "wall_s": round(wall, 2),
-        "problems": len(trajs), "tokens_generated": generated, "tokens_per_s": round(generated / wall, 1),
+        "problems": len(trajs), "problems_per_min": round(len(trajs) / wall * 60, 2),
+        "tokens_generated": generated, "tokens_per_s": round(generated / wall, 1),
         "occupancy": occupancy.summary(),
         "peak_gpu_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if args.device.startswith("cuda") else None,
         "time_share": {k: round(v, 3) for k, v in summary.get("share", {}).items()},
