@@ -20,6 +20,9 @@
 #   bash bench/gpu_check.sh alloc      # only the allocations part (issue 18), about 4 minutes: the
 #                                      # varying-budget evictors on CUDA (hf), tokens/s and bytes held
 #                                      # vs uniform snapkv, 7B-shaped random weights, N = 8, 1024 tokens
+#   bash bench/gpu_check.sh graphs     # issue 25, under a minute, no SGLang needed: kvflow's SGLang decode
+#                                      # hook (graph.decode_step) captured in a real CUDA graph with no kvflow
+#                                      # row, replayed after rows are admitted, vs eager (bench/sglang_graph_capture.py)
 # SGLang part (issue 16; runs only where SGLang 0.5.23 is importable, which the lent machine's
 # image was not): a random-weight Qwen2.5-Math-7B-shaped checkpoint on disk, evicted (R-KV,
 # B=64 + 128) vs full-KV decoding on SGLang at equal batch (N = 8) and growing output lengths:
@@ -91,7 +94,12 @@ fast_part() {  # issue 25: engines that overlap, and Table 3's throughput rows, 
     done
   done
 }
+graphs_part() {  # issue 25: the capturable SGLang hook under torch.cuda.graph, 7B-like shapes
+  PYTHONPATH="src:plugins:${PYTHONPATH:-}" timeout 120 ${PYTHON:-python3} bench/sglang_graph_capture.py --bs 64 \
+    | tee "${OUT:-.}/gpu_sglang_graph_capture.json"
+}
 if [ "${1:-}" = "sglang" ]; then sglang_part; exit $?; fi
+if [ "${1:-}" = "graphs" ]; then graphs_part; exit $?; fi
 if [ "${1:-}" = "fast" ]; then fast_part; exit $?; fi
 if [ "${1:-}" = "alloc" ]; then alloc_part; exit $?; fi
 : > "$out"
