@@ -127,3 +127,27 @@ def test_prefix_reuse_false_on_sglang_is_refused_naming_the_field(write, cli):
         result = cli("validate", path)
         assert result.exit_code == 2, result.output
         assert f"{kind}.yaml:2: scorer.prefix_reuse" in result.output and ".backend" in result.output, result.output
+
+
+def test_new_queries_only_equals_sglangs_extend_attention():
+    """kvflow's extend attention for PRM engines (new queries only) == SGLang's torch_native
+    one (a query for every position) on random rows with cached prefixes of several lengths."""
+    require_sglang()
+    import torch
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    from kvflow.backends.sglang.prm_model import new_queries_only
+
+    torch.manual_seed(0)
+    heads, kv_heads, dim = 4, 2, 8
+    prefix, new = torch.tensor([0, 5, 17]), torch.tensor([6, 3, 9])
+    lengths = prefix + new
+    slots = 96
+    k_cache, v_cache = torch.randn(slots, kv_heads, dim), torch.randn(slots, kv_heads, dim)
+    req_to_token = torch.randperm(slots)[: 3 * 30].reshape(3, 30)
+    query = torch.randn(int(new.sum()), heads, dim)
+    args = (k_cache, v_cache, req_to_token, torch.arange(3), lengths, prefix, new, None)
+    kw = dict(scaling=dim ** -0.5, enable_gqa=True, causal=True)
+    want = TorchNativeAttnBackend._run_sdpa_forward_extend(None, query, torch.zeros_like(query), *args, **kw)
+    got = new_queries_only(None, None, query, torch.zeros_like(query), *args, **kw)
+    assert torch.allclose(got, want, atol=1e-5)
