@@ -339,10 +339,6 @@ class HFEngine:
         new, logprob, entropy = sample(logits, temperature, top_p, u)
         return new.cpu(), logprob.cpu(), entropy.cpu()
 
-    def _spans(self) -> list[torch.Tensor]:
-        """Positions of each running proposal's live rows in this step's forward."""
-        return [torch.arange(a, b) for a, b in self._layout().bounds]
-
     def _prune(self, group: list[_Running], rows: torch.Tensor, finish: torch.Tensor) -> torch.Tensor:
         """Run the pruners of one proposer over the rows of its running proposals that are
         still live after this token's stop rules (a row ending on this token is not shown:
