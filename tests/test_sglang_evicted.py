@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from conftest import committed_steps, require_sglang
 from kvflow.components.engine import ProposeRequest, SamplingSpec, StartRequest
@@ -169,16 +170,36 @@ def test_tensor_parallel_ranks_keep_the_budgets_of_their_own_heads(shared_tiny_q
         engine.worker.close()
 
 
-def test_a_full_pool_admits_more_evicted_candidates_than_full_context_ones(shared_tiny_qwen):
+def test_a_full_pool_admits_more_evicted_candidates_than_full_context_ones(shared_tiny_qwen, hf_engine, monkeypatch,
+                                                                           tmp_path):
     """SGLang's admission control reserves each request's remaining `max_new_tokens`; kvflow's
     plugin makes it reserve an evicted request's room to its next compaction, so in a small
-    pool every evicted candidate decodes at once while full-context ones queue."""
+    pool every evicted candidate decodes at once while full-context ones queue.
+
+    This engine runs as a CPU engine runs outside CI (no replay proxy: no decode graph), where
+    an evictor with its own `observe()` (a third party's) is observed row by row after the
+    graph-shaped step: it decodes hf's greedy tokens."""
     require_sglang()
     from kvflow.backends.sglang import SGLangBackend
+    from kvflow.testing.third_party import OwnObserveH2O
 
+    monkeypatch.delenv("KVFLOW_SGLANG_REPLAY_PROXY", raising=False)
     engine = SGLangBackend.load(ModelConfig(backend="sglang", id=str(shared_tiny_qwen), dtype="float32",
                                             device="cpu", engine={"max_total_tokens": 1024}))
     try:
+        own = OwnObserveH2O(OwnObserveH2O.Params(budget=16, buffer=8))
+        engine.dump_dir = str(tmp_path)
+        try:
+            got, state = greedy_steps(engine, own)
+        finally:
+            engine.dump_dir = None
+        want, hf_state = greedy_steps(hf_engine, own)
+        assert _tokens(got) == _tokens(want)
+        snap = torch.load(tmp_path / f"{state.snap}.pt")  # the statistic itself (the tokens hardly depend on it)
+        n = snap["keys"].shape[2]
+        for layer, hf_layer in enumerate(hf_state.cache.layers):
+            torch.testing.assert_close(snap["stats"][layer], hf_layer.stats[0, :, :n], rtol=1e-4, atol=1e-5)
+        engine.release([state])
         prompt = _prompt(engine)
         peaks = {}
         for label, ev in (("rkv", _evictor("rkv")), ("full", get_registry().get("evictors", "none")(

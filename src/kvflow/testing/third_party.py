@@ -10,11 +10,15 @@ any evictor.
   rounding differs between a row decoded alone and in a batch (the float32 forward is not
   batch-invariant on a CPU). The evictor contract must not blame the evictor for that
   (`EvictorContract.test_batched_equals_alone`; docs/components.md, "Ties").
+- `OwnObserveH2O`: an evictor that observes attention with its own `observe()` (here H2O's
+  arithmetic through a subclass), which SGLang's decode graph does not keep: on an engine
+  without decode graphs kvflow observes its rows eagerly (tests/test_sglang_evicted.py).
 """
 
 from __future__ import annotations
 
 from kvflow.components.base import Evictor, EvictorParams
+from kvflow_builtin.evictors.h2o import H2OEvictor
 
 
 class KeyNormEvictor(Evictor):
@@ -24,3 +28,11 @@ class KeyNormEvictor(Evictor):
 
     def score(self, keys, values, queries, **kwargs):
         return -keys.float().norm(dim=-1)  # [rows, kv_heads, N]
+
+
+
+class OwnObserveH2O(H2OEvictor):
+    """H2O's statistic through its own `observe()` (not the class the decode graph keeps)."""
+
+    def observe(self, stats, query, keys, mask, *, layer_idx, scaling):
+        return super().observe(stats, query, keys, mask, layer_idx=layer_idx, scaling=scaling)

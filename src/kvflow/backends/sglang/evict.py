@@ -166,6 +166,10 @@ class Runtime(Compaction):
         if self.mode not in ("graph", "eager"):
             raise ValueError(f"KVFLOW_SGLANG_HOOKS={self.mode!r}: 'graph' or 'eager'")
         self.proxy = proxy_from_env()  # KVFLOW_SGLANG_REPLAY_PROXY=1: the CPU proxy for graph replay
+        # whether SGLang captured decode graphs in this process (engine start, before any request):
+        # only then must every evictor fit the graph (without graphs a decode forward runs eagerly
+        # and an evictor with its own observe() is observed row by row after `decode_step`)
+        self.captured = False
         self.ops = OpCounter() if os.environ.get("KVFLOW_SGLANG_COUNT_OPS") == "1" else None
         self.op_counts: list[dict] = []  # per decode forward (KVFLOW_SGLANG_COUNT_OPS=1)
         self.host_counts: dict[str, int] = {}
@@ -199,20 +203,25 @@ class Runtime(Compaction):
         return self.tables
 
     def check_fits(self, ev) -> None:
-        """What the decode graph's fixed shapes hold: refused with the setting to raise."""
+        """What the decode graph's fixed shapes hold: refused with the setting to raise. The
+        span R bounds the rows `decode_step` reads: those of observing evictors (H2O's
+        statistic) and varying allocations (holes); others may be as long as they like."""
         if self.mode != "graph":
             return
         t, layers = self.tables, self.tables.layers
         kv_heads = self.kv.k_buffer[0].shape[1]
-        width = (max(ev.layer_widths(layers, kv_heads)) if ev.varies(layers) else ev.trigger) + 1  # a row's longest
+        varies = ev.varies(layers)
+        width = (max(ev.layer_widths(layers, kv_heads)) if varies else ev.trigger) + 1  # a row's longest
+        graphs = self.captured or self.proxy is not None
         problem = None
-        if width > t.span:
+        if (ev.observes_attention or varies) and width > t.span:
             problem = f"its rows reach {width} slots, past KVFLOW_SGLANG_GRAPH_SPAN={t.span}"
         elif ev.query_window > t.window:
             problem = f"its query window {ev.query_window} is past KVFLOW_SGLANG_GRAPH_WINDOW={t.window}"
-        elif ev.observes_attention and not observes_in_graph(ev):
+        elif ev.observes_attention and not observes_in_graph(ev) and graphs:
             problem = ("it observes attention with its own observe(), and the decode graph keeps H2O's statistic "
-                       "only (run such an evictor with KVFLOW_SGLANG_HOOKS=eager and disable_cuda_graph: true)")
+                       "only (set models.<entry>.engine.disable_cuda_graph: true: without decode graphs kvflow "
+                       "observes such rows eagerly)")
         if problem:
             raise ValueError(f"kvflow: evictor {type(ev).__name__} cannot run in this engine's decode graph: {problem}")
 
@@ -244,7 +253,8 @@ class Runtime(Compaction):
         False while the tables or the pool have no room: the request then waits
         (`_reserving_room` refuses its admission) and is retried."""
         if live.row is None:
-            live.row = self.tables.assign(observing=live.evictor.observes_attention)
+            ev = live.evictor  # rows of an evictor with its own observe() are observed after `decode_step`
+            live.row = self.tables.assign(observing=ev.observes_attention and observes_in_graph(ev))
             if live.row is None:
                 return False
             if live.source is not None:
@@ -386,26 +396,41 @@ class Runtime(Compaction):
             if last:
                 t.tokens[live.row] = live.written + count  # where `decode_step` writes next
             if ev.observes_attention:
-                span = live.resident + count
-                if span > t.span:
-                    raise ValueError(f"kvflow: an evicted row of {span} slots is past KVFLOW_SGLANG_GRAPH_SPAN={t.span}")
-                slots = req_to_token[pool_idx, :span].long()
-                keys = kv.get_key_buffer(lid)[slots].transpose(0, 1)[None]  # [1, kv_heads, span, D]
-                tk = torch.arange(count, device=keys.device)
-                key = torch.arange(span, device=keys.device)
-                mask = (key[None, :] <= (live.resident + tk)[:, None])[None]  # [1, T, span]
-                if live.has_holes():  # each head's evicted slots below the row's longest head
-                    hole = hole_mask(live.holes[lid].to(keys.device), live.hole_end, span)  # [H, span]
-                    mask = mask[:, None] & ~hole[None, :, None]  # [1, H, T, span]
-                new = q[start : start + count].transpose(0, 1)  # [q_heads, T, D]
-                ev.observe(t.stats[lid][live.row, :, :span][None], new[None].to(keys.dtype), keys, mask,
-                           layer_idx=lid, scaling=layer.scaling)  # a view: updated in place
+                self.observe_rows(q, layer, [(None, start, count, live, pool_idx)], shaped=True)
+
+    def observe_rows(self, q, layer, rows, shaped: bool = False) -> None:
+        """The attention each resident key of these rows receives from their new queries, added
+        to their statistic by their evictor's own `observe()` (host-side, row by row)."""
+        lid = layer.layer_id
+        if not shaped:
+            head_dim = layer.qk_head_dim if hasattr(layer, "qk_head_dim") else layer.head_dim
+            q = q.reshape(q.shape[0], -1, head_dim)  # [tokens, q_heads, D]
+        req_to_token = self.req_to_token_pool.req_to_token
+        kv, t = self.kv, self.tables
+        for _, start, count, live, pool_idx in rows:
+            ev = live.evictor
+            span = live.resident + count
+            if span > t.span:
+                raise ValueError(f"kvflow: an evicted row of {span} slots is past KVFLOW_SGLANG_GRAPH_SPAN={t.span}")
+            slots = req_to_token[pool_idx, :span].long()
+            keys = kv.get_key_buffer(lid)[slots].transpose(0, 1)[None]  # [1, kv_heads, span, D]
+            tk = torch.arange(count, device=keys.device)
+            key = torch.arange(span, device=keys.device)
+            mask = (key[None, :] <= (live.resident + tk)[:, None])[None]  # [1, T, span]
+            if live.has_holes():  # each head's evicted slots below the row's longest head
+                hole = hole_mask(live.holes[lid].to(keys.device), live.hole_end, span)  # [H, span]
+                mask = mask[:, None] & ~hole[None, :, None]  # [1, H, T, span]
+            new = q[start : start + count].transpose(0, 1)  # [q_heads, T, D]
+            ev.observe(t.stats[lid][live.row, :, :span][None], new[None].to(keys.dtype), keys, mask,
+                       layer_idx=lid, scaling=layer.scaling)  # a view: updated in place
 
     def hooked(self, backend, q, out, layer, forward_batch):
         """kvflow's part of one layer's attention (the AROUND hook's body); returns the output."""
         decode = forward_batch.forward_mode.is_decode()
         if self.mode == "graph" and decode:
-            if not (self.live or self.proxy is not None or _capturing()):
+            if not self.captured and _capturing():
+                self.captured = True
+            if not (self.live or self.proxy is not None or self.captured):
                 return out  # no kvflow request and nothing being captured: nothing to observe
             t = self._ensure(backend, layer, q)
             if self.skip:  # the fault injection: a stale graph, none of kvflow's ops
@@ -420,7 +445,11 @@ class Runtime(Compaction):
             def step(q_, out_, rpi, seq_lens):
                 return decode_step(t, q_, out_, k_buf, v_buf, req_to_token, rpi, seq_lens, **shapes)
 
-            return self._run(step, lid, q, out, forward_batch)
+            out = self._run(step, lid, q, out, forward_batch)
+            own = [r for r in self.rows or () if r[3].evictor.observes_attention and not observes_in_graph(r[3].evictor)]
+            if own:  # an eager forward (check_fits refused such evictors where graphs run): row by row
+                self.observe_rows(q, layer, own)
+            return out
         if self.proxy is not None and decode:  # `eager` hooks as a replayed graph runs them
             if self.tables is None:
                 return out
