@@ -5,6 +5,7 @@ writes), proposers whose tokenizers differ, progress lines."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -18,13 +19,26 @@ STABLE = ("id", "prediction", "correct", "output", "steps", "step_counts", "outp
           "candidates", "pruned", "finish")
 
 
+class _Score(float):
+    """A step score that equals another within float32 noise: a likelihood batched with other
+    problems differs in the 8th digit in float32 (the trajectories themselves are identical),
+    which rounding cannot absorb (two such scores fall on either side of a rounding boundary)."""
+
+    def __eq__(self, other):
+        return isinstance(other, (int, float)) and math.isclose(self, other, rel_tol=1e-6, abs_tol=1e-9)
+
+    def __ne__(self, other):
+        return not self == other
+
+    __hash__ = float.__hash__
+
+
 def _records(run_dir):
-    """Records by id without timings; step scores rounded (a likelihood batched with other
-    problems differs in the 8th digit in float32: the trajectories themselves are identical)."""
+    """Records by id without timings; step scores compared within float32 noise (`_Score`)."""
     out = {}
     for r in map(json.loads, (run_dir / "samples.jsonl").read_text().splitlines()):
         rec = {k: r[k] for k in STABLE}
-        rec["steps"] = [{**s, "score": None if s["score"] is None else round(s["score"], 5)} for s in r["steps"]]
+        rec["steps"] = [{**s, "score": None if s["score"] is None else _Score(s["score"])} for s in r["steps"]]
         out[r["id"]] = rec
     return out
 
