@@ -118,6 +118,16 @@ def row_seed(*parts: object) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token lists (engines' prefix reuse)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def delimiter_scan(pattern: str, state: int, piece: str) -> tuple[int, bool]:
     """Delimiter matching across token boundaries, shared by engines: feed one token's text
     to a KMP matcher in `state` (characters of `pattern` the text so far ends with). Returns

@@ -200,7 +200,7 @@ class _Overlap:
     private one: the round is one `forward:` phase of the scheduler's clock."""
 
     def __init__(self, plan: Plan, clock, names: dict[int, str]) -> None:
-        self.plan, self.clock, self.names = plan, clock, names
+        self.clock, self.names = clock, names
         self.mode = plan.overlap
         self.threads: dict[int, ThreadPoolExecutor] = {}
         self.order = {id(e): i for i, e in enumerate(plan.engines())}

@@ -32,6 +32,7 @@ import torch
 from kvflow.backends.hf.cache import BudgetedCache
 from kvflow.backends.hf.engine import HFRunner
 from kvflow.components.base import Evictor, Trajectory
+from kvflow.components.engine import common_prefix
 
 _POSITIONS_PER_CHUNK = 128  # bounds the [positions, vocab] logits held at once
 
@@ -164,15 +165,6 @@ def label_head(lm_head: torch.nn.Module, labels: Sequence[int]) -> Callable[[tor
     weight = lm_head.weight[idx]  # [C, hidden]
     bias = lm_head.bias[idx] if getattr(lm_head, "bias", None) is not None else None
     return lambda h: torch.nn.functional.linear(h.to(weight.dtype), weight, bias)
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token lists."""
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    diff = (torch.as_tensor(list(a[:n])) != torch.as_tensor(list(b[:n]))).nonzero()
-    return int(diff[0]) if len(diff) else n
 
 
 @dataclass

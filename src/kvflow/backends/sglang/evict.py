@@ -157,6 +157,9 @@ class Runtime(Compaction):
         # Host bookkeeping only: the decode hook of `graph` mode never reads it (a replayed graph
         # could not), the per-row path of extend forwards (and of `eager` mode) does
         self.rows: Optional[list] = None
+        # the rows of this forward whose evictor observes with its own observe(), which
+        # `decode_step` does not keep: observed row by row after it (only where no graph runs)
+        self.own_observers: list = []
         # per request-pool slot state, on the pool's device (`graph.Tables`), made at the first use
         self.tables: Optional[Tables] = None
         # `graph` (default): decode forwards run `graph.decode_step`, fixed-shape ops over the
@@ -314,7 +317,7 @@ class Runtime(Compaction):
         reqs = batch.reqs
         mine = [(i, self.live.get(r.rid)) for i, r in enumerate(reqs)]
         mine = [(i, live) for i, live in mine if live is not None]
-        self.rows = None
+        self.rows, self.own_observers = None, []
         if not mine:
             return
         decode = forward_batch.forward_mode.is_decode()
@@ -342,6 +345,8 @@ class Runtime(Compaction):
             if bool(offsets.any()):
                 forward_batch.positions = forward_batch.positions + offsets.to(forward_batch.positions.device)
         self.rows = rows
+        self.own_observers = [r for r in rows if r[3].evictor.observes_attention
+                              and not observes_in_graph(r[3].evictor)]
         self.decode_forwards += decode
         self.skip = decode and self.decode_forwards == self.skip_decode_forward
 
@@ -446,9 +451,8 @@ class Runtime(Compaction):
                 return decode_step(t, q_, out_, k_buf, v_buf, req_to_token, rpi, seq_lens, **shapes)
 
             out = self._run(step, lid, q, out, forward_batch)
-            own = [r for r in self.rows or () if r[3].evictor.observes_attention and not observes_in_graph(r[3].evictor)]
-            if own:  # an eager forward (check_fits refused such evictors where graphs run): row by row
-                self.observe_rows(q, layer, own)
+            if self.own_observers:  # an eager forward (check_fits refused such evictors where graphs run)
+                self.observe_rows(q, layer, self.own_observers)
             return out
         if self.proxy is not None and decode:  # `eager` hooks as a replayed graph runs them
             if self.tables is None:

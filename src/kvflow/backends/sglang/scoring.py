@@ -28,14 +28,7 @@ from typing import Optional, Sequence
 import torch
 
 from kvflow.backends.sglang.client import EngineError
-
-
-def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    diff = (torch.as_tensor(list(a[:n])) != torch.as_tensor(list(b[:n]))).nonzero()
-    return int(diff[0]) if len(diff) else n
+from kvflow.components.engine import common_prefix
 
 
 class PositionValues:
@@ -91,7 +84,7 @@ class PositionValues:
         """Values [len(x), C] at the positions kept for this problem (nan elsewhere)."""
         out = torch.full((len(x), self.width), math.nan)
         for ids, values in self._known.get(key, ()):
-            n = _lcp(ids, x)
+            n = common_prefix(ids, x)
             hole = torch.isnan(out[:n, 0])
             out[:n][hole] = values[:n][hole]
         return out
