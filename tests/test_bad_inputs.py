@@ -305,12 +305,12 @@ def test_a_failed_atomic_write_leaves_no_temp_file(tmp_path, monkeypatch):
 
 
 def test_an_unexpected_error_is_a_message_and_a_saved_traceback(tmp_path, cli, monkeypatch):
-    from kvflow.runtime import runner
+    from kvflow.runtime import local
 
     def boom(*a, **k):
         raise RuntimeError("something kvflow did not expect")
 
-    monkeypatch.setattr(runner, "_decode", boom)
+    monkeypatch.setattr(local, "decode", boom)
     monkeypatch.setenv("KVFLOW_CACHE", str(tmp_path / "cache"))
     path = tiny_pipeline(tmp_path, problems=1, helper=False)
     result = cli("run", path)

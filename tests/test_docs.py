@@ -620,14 +620,14 @@ def test_plugins_page_evictor_example_works():
 def test_results_fields_are_documented(tmp_path):
     from kvflow.components.base import Step, Trajectory
     from kvflow.runtime.results import compute_metrics
-    from kvflow.runtime.runner import _record
+    from kvflow.runtime.core import record as make_record
 
     traj = Trajectory("p1", "q?", "prompt", steps=[Step("a\n\n", "base", 0.5, 2, fallback=True)], finish="eos",
                       tokens_generated={"base": 2}, pruned={"entropy": 0}, candidates={"base": 1},
                       committed_tokens=2, signals=[{"step": 0}])
     plan = types.SimpleNamespace(proposers=[types.SimpleNamespace(name="base")])
     timing = {"wall": 1.0, "phases": {"propose/forward:base": 0.9, "other": 0.1}}
-    record = _record(traj, types.SimpleNamespace(id="p1", question="q?", gold="1"), "1", True, 1.0, plan, timing)
+    record = make_record(traj, types.SimpleNamespace(id="p1", question="q?", gold="1"), "1", True, 1.0, plan, timing)
     import inspect
 
     kwargs = {}

@@ -114,21 +114,21 @@ def test_cli_reports_a_corrupt_middle_line_with_exit_2(tmp_path, cli):
 FAKE = textwrap.dedent('''
     """`kvflow run` with the model decode replaced by a fast fake (records of random size)."""
     import random, sys, time
-    from kvflow.runtime import compile as compile_, runner
+    from kvflow.runtime import compile as compile_, core, local
 
     def fake_decode(loaded, registry, store, todo, quiet):
-        store.prepare(loaded.resolved, runner._manifest(loaded, registry))  # as _decode does once models load
+        store.prepare(loaded.resolved, core.manifest(loaded, registry))  # as local.decode does once models load
         rng = random.Random()
         for p in todo:
             time.sleep(rng.uniform(0.05, 0.25))  # 40 problems outlast the longest kill timeout
-            with runner._sigint_deferred():
+            with core.sigint_deferred():
                 store.append({"id": p.id, "question": p.question, "gold": p.gold, "prediction": "0",
                               "correct": False, "output": "x" * rng.randint(10, 200_000), "steps": [],
                               "step_counts": {"base": 0, "helper": 0}, "output_tokens": 0,
                               "tokens_generated": {"base": 0, "helper": 0}, "candidates": {}, "pruned": {},
                               "finish": "eos", "degenerate": False, "seconds": 0.0})
 
-    runner._decode = fake_decode
+    local.decode = fake_decode
     compile_.check_models = lambda loaded, registry=None: None
     from kvflow.cli import main
     sys.argv = ["kvflow"] + sys.argv[1:]
@@ -198,17 +198,17 @@ def test_sigint_stops_cleanly_with_exit_130_and_resumes(tmp_path):
 
 
 def test_sigint_is_held_while_a_record_is_written():
-    from kvflow.runtime.runner import _sigint_deferred
+    from kvflow.runtime.core import sigint_deferred
 
     reached = False
     with pytest.raises(KeyboardInterrupt):
-        with _sigint_deferred():
+        with sigint_deferred():
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.05)
             reached = True  # still inside: the signal was held
     assert reached
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored
-    with _sigint_deferred():  # no signal: nothing happens
+    with sigint_deferred():  # no signal: nothing happens
         pass
 
 

@@ -212,7 +212,10 @@ def _run_on_ray(points: list[Point], *, force: bool, registry, say, ray_address:
             say(f"sweep [{i}/{total}] {point.label}: skipped (complete) {runner.results_path(point.loaded)}")
         else:
             todo.append((i, point))
-    status = ray_executor.run_sweep_points(todo, total, force=force, registry=registry, flag=ray_address,
+    def run_point(point, decode) -> int:
+        return runner.run_pipeline(point.loaded, force=force, registry=registry, quiet=True, decode=decode)
+
+    status = ray_executor.run_sweep_points(todo, total, run_point=run_point, flag=ray_address,
                                            say=say) if todo else {}
     rows = [(p, runner.results_path(p.loaded), status.get(p.index, "skipped (complete)")) for p in points]
     _print_summary(rows)
