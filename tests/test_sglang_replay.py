@@ -57,7 +57,7 @@ def _tables(layers=2, q_heads=4, kv_heads=2, d=8, pool=64, slots=6, ctx=40):
     from kvflow.backends.sglang import graph
 
     req_to_token = torch.zeros(slots, ctx, dtype=torch.int32)
-    t = graph.Tables(req_to_token, layers)
+    t = graph.Tables(req_to_token, layers, graph.Profile.general())
     for lid in range(layers):
         t.ensure(lid, q_heads, kv_heads, d, torch.float32)
     g = torch.Generator().manual_seed(0)
@@ -147,6 +147,17 @@ def test_the_capturable_hooks_were_replayed_and_keep_hfs_tokens_and_state(sglang
     state = sglang_engine.server_state()
     assert state["hooks"] == "graph"
     assert state["replay_proxy"]["captures"] > 0 and state["replay_proxy"]["replays"] > 100, state["replay_proxy"]
+    # the single-row bucket was replayed many times with the host rewriting the tables between
+    # replays: admissions (three evictors' requests), compactions, rows released and reused
+    assert state["replay_proxy"]["replays_by_bucket"]["1"] >= 2 and state["compactions"] >= 3, state
+
+
+def test_the_proxy_buckets_are_sglangs_own_capture_sizes():
+    """SGLang 0.5.23 captures 12 and 272..512 by 16 too (a 72B at tp 4 resolves max_bs 512):
+    a batch of 12 or of 300 rows is replayed at its own bucket, not run eagerly."""
+    from kvflow.backends.sglang.replay import BUCKETS, bucket
+
+    assert 12 in BUCKETS and bucket(9) == 12 and bucket(300) == 304 and bucket(512) == 512 and bucket(513) is None
 
 
 def test_todays_per_row_hooks_under_the_replay_proxy_stop_the_engine(shared_tiny_qwen, monkeypatch):

@@ -389,7 +389,26 @@ def placement_lines(loaded: "LoadedPipeline", gpus: list[tuple[int, int]]) -> li
         out.append("  does not fit: `kvflow run` would refuse it before any engine starts:")
         out.extend("    " + line for p in e.problems for line in p.format().splitlines())
         return out
+    placement = _with_pool_tokens(placement, loaded.pipeline.models)
     return out + (placement.lines() or ["  no model on a GPU (every used model has `device: cpu`)"])
+
+
+def _with_pool_tokens(placement, models):
+    """The placement with each SGLang engine's KV pool also in tokens, where its shape is known
+    (K and V of every layer, at its dtype, split over its tensor-parallel ranks)."""
+    import dataclasses
+
+    from kvflow.cost import kv_bytes_per_token
+
+    pools = {}
+    for key, pool in placement.pools.items():
+        shape, _ = model_shape(models[key])
+        if shape is not None:
+            tp = int((models[key].engine or {}).get("tp_size") or 1)
+            elem = 4 if models[key].dtype == "float32" else 2
+            pool = dataclasses.replace(pool, bytes_per_token=kv_bytes_per_token(shape, elem) / tp)
+        pools[key] = pool
+    return dataclasses.replace(placement, pools=pools)
 
 
 def resolved_yaml(resolved: dict) -> str:

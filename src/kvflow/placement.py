@@ -43,6 +43,19 @@ local Hugging Face cache; `kvflow.cost`), else the paper's presets by name
 "500M"; also for GGUF files, whose tables take seconds to read). A model of unknown size is
 counted as 0 bytes, and its note says so.
 
+SGLang's fractions do not compose as shares of a GPU: SGLang 0.5.23 sizes an engine's KV pool
+as *free memory after its weights - free memory at its start x (1 - mem_fraction_static)*
+(`mem_cache/kv_cache_configurator.py`, `_profile_available_bytes`), i.e. f x free-at-start -
+weights: a share of what is free when that engine starts, not of the GPU. kvflow reads each
+SGLang engine's fraction as its intended share of the GPU (that is what the claims above add
+up) and passes SGLang the fraction that gives it that share where it starts (`sglang_pools`):
+f' = share x total / free at its start, engines starting in the pipeline's order (proposers'
+models, then the scorer's: `compile.used_models`, the order `kvflow run` starts them), the
+free memory at a start being the total less the claims of the engines started before it on
+that GPU and PROCESS_OVERHEAD each (CUDA context, graph buffers). An engine whose pool would
+not be positive is refused, naming its fraction. An engine alone on its GPUs keeps SGLang's
+own default when it set no fraction.
+
 Without GPUs (an empty device list) nothing is placed: `auto` stays auto (the CPU).
 """
 
@@ -64,6 +77,8 @@ CAPACITY_SHARE = 0.95
 HF_HEADROOM = 1.2
 #: an SGLang engine without `mem_fraction_static` on a GPU: about what SGLang takes for itself
 SGLANG_DEFAULT_FRACTION = 0.9
+#: memory an SGLang engine process holds outside its claim (CUDA context, NCCL, graph buffers)
+PROCESS_OVERHEAD = 1 * 2**30
 #: bytes per weight by `dtype`
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "auto": 2}
 
@@ -163,16 +178,24 @@ class Placement:
     assigned: dict[str, tuple[int, ...]] = field(default_factory=dict)  # model key -> GPU indices
     claims: dict[int, dict[str, float]] = field(default_factory=dict)  # GPU -> {model key: bytes}
     notes: dict[str, str] = field(default_factory=dict)  # model key -> how its claim was counted
+    pools: dict[str, "Pool"] = field(default_factory=dict)  # SGLang model key -> what its engine gets
 
     def placed_models(self, models: Mapping[str, Any]) -> dict[str, Any]:
         """`models` (ModelConfig by key) with each placed entry's device set to `cuda:i` and,
-        on SGLang, `engine.base_gpu_id: i` where the entry set none."""
+        on SGLang, `engine.base_gpu_id: i` where the entry set none and `mem_fraction_static`
+        as SGLang must be told it for the entry's share of the GPU (`sglang_pools`)."""
         out = dict(models)
         for key, indices in self.assigned.items():
             cfg = models[key]
             update: dict[str, Any] = {"device": f"cuda:{indices[0]}"}
-            if cfg.backend == "sglang" and "base_gpu_id" not in (cfg.engine or {}):
-                update["engine"] = {**(cfg.engine or {}), "base_gpu_id": indices[0]}
+            engine = dict(cfg.engine or {})
+            if cfg.backend == "sglang" and "base_gpu_id" not in engine:
+                engine["base_gpu_id"] = indices[0]
+            pool = self.pools.get(key)
+            if cfg.backend == "sglang" and pool is not None and pool.passed is not None:
+                engine["mem_fraction_static"] = pool.passed
+            if cfg.backend == "sglang":
+                update["engine"] = engine
             out[key] = cfg.model_copy(update=update)
         return out
 
@@ -184,14 +207,17 @@ class Placement:
             "gpus": {str(i): {"total_bytes": totals[i], "claimed_bytes": int(sum(c.values())),
                               "models": {k: int(v) for k, v in c.items()}}
                      for i, c in self.claims.items() if c},
+            "sglang_pools": {key: pool.to_dict() for key, pool in self.pools.items()},
             "rule": {"capacity_share": CAPACITY_SHARE, "hf_headroom": HF_HEADROOM,
-                     "sglang_default_fraction": SGLANG_DEFAULT_FRACTION},
+                     "sglang_default_fraction": SGLANG_DEFAULT_FRACTION, "process_overhead": PROCESS_OVERHEAD},
         }
 
     def lines(self) -> list[str]:
         """The placement in words, one line per model and per GPU in use."""
         totals = dict(self.gpus)
         out = [f"  models.{key}: {_span(idx)} ({self.notes.get(key, '')})" for key, idx in self.assigned.items()]
+        for key, pool in self.pools.items():
+            out.append(f"  models.{key}: {pool.describe()}")
         for i, c in self.claims.items():
             if c:
                 used = sum(c.values())
@@ -250,13 +276,83 @@ def place(demands: Iterable[Demand], gpus: Sequence[Gpu], problem: ProblemMaker 
 
     problems += _overfull(claims, totals, by_key, problem)
     problems += _weights_too_big(demands, assigned, totals, problem)
+    pools: dict[str, Pool] = {}
+    if not problems:
+        pools, more = sglang_pools(demands, assigned, totals, problem)
+        problems += more
     if problems:
         raise UserError(problems)
     notes = {key: by_key[key].how() if key in by_key else "" for key in assigned}
     for d in demands:  # keys served by one engine share its note
         for key in d.also:
             notes[key] = f"same engine as models.{d.key}"
-    return Placement(tuple(sorted(gpus)), assigned, claims, notes)
+    return Placement(tuple(sorted(gpus)), assigned, claims, notes, pools)
+
+
+@dataclass(frozen=True)
+class Pool:
+    """What one SGLang engine gets on its GPU(s): the fraction kvflow passes and the KV pool
+    SGLang 0.5.23's sizing gives it with that fraction where it starts (bytes per GPU)."""
+
+    share: float  # of the GPU, as the pipeline meant it (its mem_fraction_static, or SGLang's default)
+    passed: Optional[float]  # what SGLang is told (None: left unset, SGLang's own default)
+    free_at_start: float  # bytes free on its (fullest) GPU when it starts
+    pool_bytes: Optional[float]  # f x free at start - its weights per GPU (None: weights unknown)
+    order: int  # its place in the start order
+    bytes_per_token: Optional[float] = None  # KV bytes per token per GPU, where the model's shape is known
+
+    @property
+    def tokens(self) -> Optional[int]:
+        if self.pool_bytes is None or not self.bytes_per_token:
+            return None
+        return int(self.pool_bytes // self.bytes_per_token)
+
+    def describe(self) -> str:
+        told = f"mem_fraction_static {self.passed:g} passed to SGLang" if self.passed is not None else \
+            "SGLang's own mem_fraction_static"
+        pool = "KV pool of unknown size (weights unknown)" if self.pool_bytes is None else \
+            f"KV pool {_gib(self.pool_bytes)}" + (f" = {self.tokens:,} tokens" if self.tokens is not None else "")
+        return (f"starts #{self.order + 1} with {_gib(self.free_at_start)} free: {told} "
+                f"(a {self.share:g} share of the GPU) -> {pool}")
+
+    def to_dict(self) -> dict:
+        return {"share": self.share, "passed": self.passed, "free_at_start_bytes": int(self.free_at_start),
+                "pool_bytes": None if self.pool_bytes is None else int(self.pool_bytes), "tokens": self.tokens,
+                "order": self.order}
+
+
+def sglang_pools(demands: Sequence[Demand], assigned: Mapping[str, Sequence[int]], totals: Mapping[int, int],
+                 problem: ProblemMaker = _plain_problem) -> tuple[dict[str, Pool], list[ConfigProblem]]:
+    """The fraction to pass each SGLang engine so that it gets its share of its GPU(s) where it
+    starts (`demands` in start order), and the KV pool SGLang sizes from it: pool = f x free at
+    start - weights per GPU (SGLang 0.5.23). Problems for an engine whose pool is not positive."""
+    pools: dict[str, Pool] = {}
+    problems: list[ConfigProblem] = []
+    started: dict[int, float] = {i: 0.0 for i in totals}  # bytes held on each GPU by engines started so far
+    engines_on = {i: sum(1 for d in demands if i in assigned.get(d.key, ())) for i in totals}
+    for order, d in enumerate(demands):
+        indices = assigned.get(d.key, ())
+        if not indices:
+            continue
+        if d.sglang:
+            free = min(totals[i] - started[i] for i in indices)
+            share = d.fraction
+            alone = all(engines_on[i] == 1 for i in indices)
+            passed = None if alone and d.mem_fraction is None else round(share * min(totals[i] for i in indices) / free, 4)
+            f = passed if passed is not None else share
+            weights = None if d.weight_bytes is None else d.weight_bytes / d.weight_shards
+            pool_bytes = None if weights is None else f * free - weights
+            pools[d.key] = Pool(share, passed, free, pool_bytes, order)
+            if f >= 1 or (pool_bytes is not None and pool_bytes <= 0 and not d.quantized):
+                problems.append(problem(
+                    f"models.{d.key}.engine.mem_fraction_static",
+                    f"this SGLang engine starts with {_gib(free)} free on {_span(indices)} after the engines before it; "
+                    f"its share {share:g} of the GPU ({_gib(share * min(totals[i] for i in indices))}) "
+                    + ("is more than that" if f >= 1 else f"leaves no KV pool after its weights ({_gib(weights)})"),
+                    "raise its mem_fraction_static and lower the others' on that GPU, or put it on another GPU"))
+        for i in indices:
+            started[i] += d.claim(totals[i]) + (PROCESS_OVERHEAD if d.sglang else 0)
+    return pools, problems
 
 
 def _overfull(claims, totals, by_key, problem: ProblemMaker) -> list[ConfigProblem]:

@@ -95,7 +95,9 @@ a proposal's problem from its `tag`).
 
 Versions. Everything in this module, every member of `Engine` with the optional ones named
 on it (`evicts`, `exact_entropy`, `settings()`, `kept_kv()`) and the backend's side (`check`,
-`load` and its `evicting` keyword, `check_evictor`) are part of the protocol as of kvflow 0.1.
+`load` and its `evicting` keyword, `check_evictor`) are part of the protocol as of kvflow 0.1;
+`load`'s `evictors` keyword was added in kvflow 0.2 (optional: the compiler passes it only
+to a `load` that declares it).
 A member added later says "added in kvflow X.Y" here and stays optional for engines (the
 scheduler checks for it), so an engine written against 0.1 keeps working; see
 docs/plugins.md, "Versions".
@@ -152,6 +154,37 @@ class SamplingSpec:
     delimiter: str  # a candidate ends after the token whose text completes it ("" = none)
     pruners: Sequence[tuple[str, Pruner]] = ()
     record_signals: bool = False  # keep each pruner's signal per live token in Candidate.signals
+
+    def __post_init__(self) -> None:
+        if self.record_signals:
+            for name, pruner in self.pruners:
+                if not _has_signal(pruner):
+                    _warn_no_signal(name, pruner)
+
+    def recorded(self) -> list[tuple[str, Pruner]]:
+        """The pruners whose `signal()` an engine records per live token: every pruner that
+        has one (`Pruner.has_signal`) when `record_signals` is set, none otherwise."""
+        return [(n, p) for n, p in self.pruners if _has_signal(p)] if self.record_signals else []
+
+
+def _has_signal(pruner: Pruner) -> bool:
+    has = getattr(type(pruner), "has_signal", None)
+    return bool(has()) if has is not None else True
+
+
+_WARNED: set[tuple[str, type]] = set()
+
+
+def _warn_no_signal(name: str, pruner: Pruner) -> None:
+    """Once per (pruner name, class) in a process: a pruner without `signal()` runs, records nothing."""
+    cls = type(pruner)
+    if (name, cls) in _WARNED:
+        return
+    _WARNED.add((name, cls))
+    import warnings
+
+    warnings.warn(f"pruner {name!r} ({cls.__module__}.{cls.__qualname__}) has no signal(): it runs, and "
+                  f"run.record_signals records no {name!r} signal for it (its column stays empty)", stacklevel=3)
 
 
 @dataclass(frozen=True)

@@ -123,13 +123,19 @@ def build_plan(loaded: LoadedPipeline, registry, on_load: Callable[[str], None] 
     pipe = loaded.pipeline
     engines: dict[str, object] = {}
     evicting = {p.model for p in pipe.proposers.values() if p.evictor.kind != "none"}
+    served: dict[str, list] = {}  # model key -> (evictor class, params) of the proposers it serves
+    for name, p in pipe.proposers.items():
+        if p.evictor.kind != "none":
+            spec = loaded.components.proposers[name].evictor
+            served.setdefault(p.model, []).append((spec.cls, spec.params))
 
     def engine_for(key: str):
         if key not in engines:
             on_load(key)
             backend = registry.get("backends", pipe.models[key].backend)
             try:
-                engines[key] = load_engine(backend, pipe.models[key], evicting=key in evicting)
+                engines[key] = load_engine(backend, pipe.models[key], evicting=key in evicting,
+                                           evictors=served.get(key, []))
             except EngineSettingError as e:  # what the engine resolved on this machine, located in the pipeline
                 raise UserError(loaded.problem(f"models.{key}.{e.field}", e.message, e.hint)) from None
             except (UserError, KeyboardInterrupt, MemoryError):
@@ -226,14 +232,19 @@ def deterministic_problems(loaded: LoadedPipeline) -> list:
             if pipe.models[key].backend == "sglang" and resolve_device(pipe.models[key].device) == "cpu"]
 
 
-def load_engine(backend, model_cfg, *, evicting: bool):
+def load_engine(backend, model_cfg, *, evicting: bool, evictors=()):
     """`backend.load(model_cfg)`, telling a backend whose `load` takes `evicting` whether an
-    evicted proposer runs on the model (SGLang then decodes without graphs)."""
+    evicted proposer runs on the model, and one whose `load` takes `evictors` which evictors
+    (class, params) it will serve (SGLang builds its decode hook from them)."""
     import inspect
 
-    if "evicting" in inspect.signature(backend.load).parameters:
-        return backend.load(model_cfg, evicting=evicting)
-    return backend.load(model_cfg)
+    accepted = inspect.signature(backend.load).parameters
+    kwargs = {}
+    if "evicting" in accepted:
+        kwargs["evicting"] = evicting
+    if "evictors" in accepted:
+        kwargs["evictors"] = list(evictors)
+    return backend.load(model_cfg, **kwargs)
 
 
 def resolve_budget_bytes(loaded: LoadedPipeline, proposer: str, params, kv_shape: tuple[int, int, int, int]):

@@ -47,9 +47,12 @@ class SGLangBackend:
         return check_installed() or check_settings(model_cfg) or check_model(model_cfg)
 
     @staticmethod
-    def load(model_cfg, evicting: bool = True):
-        """The model's engine; `evicting` (kvflow passes it): whether an evicted proposer runs
-        on it, which turns decode graphs off (docs/backends.md, "Running on GPUs")."""
+    def load(model_cfg, evicting: bool = True, evictors=None):
+        """The model's engine. `evicting` (kvflow passes it): whether an evicted proposer runs
+        on it; a full-context engine gets no kvflow hook at all. `evictors` (kvflow passes
+        them): the (class, params) of the evictors it serves, from which its decode hook is
+        specialised (`graph.Profile`: query ring, H2O statistic, hole recompute, span);
+        docs/backends.md, "Running on GPUs"."""
         from kvflow.backends.sglang.settings import load_engine
 
-        return load_engine(model_cfg, evicting)
+        return load_engine(model_cfg, evicting, evictors)

@@ -60,7 +60,7 @@ class Worker:
         self._lock = threading.Lock()
 
     @classmethod
-    def start(cls, engine_kwargs: dict, where: str) -> "Worker":
+    def start(cls, engine_kwargs: dict, where: str, evict: Optional[str] = None) -> "Worker":
         log = tempfile.NamedTemporaryFile(prefix="kvflow-sglang-", suffix=".log", delete=False)
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
@@ -74,7 +74,7 @@ class Worker:
                                 stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True)
         log.close()
         worker = cls(proc, log.name, where)
-        write_frame(proc.stdin, {"engine": engine_kwargs})
+        write_frame(proc.stdin, {"engine": engine_kwargs, "evict": evict})
         first = _read_with_timeout(proc.stdout, _START_TIMEOUT_S)
         if not first or first[0] != "ready":
             message = first[2] if first and first[0] == "error" else "the worker exited"
@@ -178,12 +178,14 @@ def _read_with_timeout(stream, timeout: float) -> Optional[Any]:
 _SHARED: dict[tuple, Worker] = {}
 
 
-def shared(engine_kwargs: dict, where: str) -> Worker:
-    """The running worker for these engine arguments, started on first use (closed at exit)."""
-    key = tuple(sorted((k, repr(v)) for k, v in engine_kwargs.items()))
+def shared(engine_kwargs: dict, where: str, evict: Optional[str] = None) -> Worker:
+    """The running worker for these engine arguments and decode profile (`evict`: a
+    `graph.Profile` as JSON for an engine that serves evicted proposers, None for one that
+    does not: no kvflow hook then), started on first use (closed at exit)."""
+    key = (*sorted((k, repr(v)) for k, v in engine_kwargs.items()), ("kvflow_evict", evict))
     worker = _SHARED.get(key)
     if worker is None or worker.proc.poll() is not None:
-        worker = Worker.start(engine_kwargs, where)
+        worker = Worker.start(engine_kwargs, where, evict)
         worker.key = key
         _SHARED[key] = worker
     return worker

@@ -19,6 +19,8 @@ Logprobs are the model's own (temperature 1; SGLang's `SGLANG_RETURN_ORIGINAL_LO
 entropies are estimated from the top-`TOP_K` log-probabilities SGLang returns: the
 distribution at the sampling temperature over those tokens, plus the rest of the mass spread
 evenly over the rest of the vocabulary (`entropy_estimate`; docs/backends.md gives its error).
+Token confidences (DeepConf's, `StepTrace.confidences`) are exact: minus the mean of the
+top-`CONFIDENCE_TOP_K` of those same log-probabilities (`token_confidence`).
 """
 
 from __future__ import annotations
@@ -32,11 +34,12 @@ from typing import Any, Optional, Sequence
 
 from kvflow.backends.sglang.client import EngineError, Worker
 from kvflow.backends.sglang.evicted import EvictedState, EvictedStates
-from kvflow.components.base import Candidate, StepTrace
+from kvflow.components.base import CONFIDENCE_TOP_K, Candidate, StepTrace
 from kvflow.components.engine import Proposal, ProposeRequest, StartRequest, SyncRequest, delimiter_scan, row_seed
 from kvflow.timing import NULL_CLOCK
 
-TOP_K = 20  # top log-probabilities per token, for the entropy estimate
+TOP_K = 20  # top log-probabilities per token, for the entropy estimate and the confidence
+assert TOP_K >= CONFIDENCE_TOP_K
 _POLL_S = 0.02  # longest wait for the engine per step() when rows are decoding
 
 
@@ -52,6 +55,7 @@ class _Row:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     entropies: list[float] = field(default_factory=list)
+    confidences: list[float] = field(default_factory=list)
     text: str = ""  # the token pieces so far (what pruners and the delimiter see)
     finish: Optional[str] = None
     signals: dict = field(default_factory=dict)
@@ -87,6 +91,13 @@ def entropy_estimate(top: Sequence[tuple[float, int]], temperature: float, vocab
     return h
 
 
+def token_confidence(top: Sequence[tuple[float, int]], vocab: int) -> float:
+    """DeepConf's token confidence from the top temperature-1 logprobs SGLang returned
+    pairs (logprob, token id): minus the mean of the largest min(CONFIDENCE_TOP_K, vocab)."""
+    k = min(CONFIDENCE_TOP_K, vocab, len(top))
+    return -sum(sorted((lp for lp, _ in top), reverse=True)[:k]) / k if k else float("nan")
+
+
 class SGLangEngine(EvictedStates):
     """One model served by an SGLang worker process (see the module docstring)."""
 
@@ -119,6 +130,8 @@ class SGLangEngine(EvictedStates):
         self._rank_load: dict[int, int] = {}  # dp_size > 1: live states per replica (`_route`)
         self._ingests: dict[str, Any] = {}  # ingest request rid -> its end message (None: waiting)
         self._specs: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # evictor -> its part of a spec
+        self.profile = None  # graph.Profile of its decode hook (None: started without kvflow's hooks)
+        self.profile_shape = (kv_shape[0], kv_shape[1])  # (layers, KV heads per tensor-parallel rank)
         self._evicted_rids: set[str] = set()  # evicted candidates whose end has not arrived
         self.dump_dir: Optional[str] = None  # set: the scheduler saves every snapshot there (`<snap>.pt`)
         self.resolved: dict = {}  # SGLang's server arguments as it resolved them for the device (settings.py)
@@ -190,6 +203,19 @@ class SGLangEngine(EvictedStates):
 
     # ------------------------------------------------------------------ states
 
+    def check_evictor(self, evictor) -> None:
+        """Refuse, before any request, an evictor this engine's decode hook was not started for
+        (`graph.Profile`: kvflow starts each engine for the evictors the pipeline serves on it)."""
+        from kvflow.backends.sglang.graph import profile_problem
+
+        if self.profile is None:
+            raise EngineError(f"evictor {type(evictor).__name__}: this SGLang engine was started for full-context "
+                              "proposers and scorers only (no kvflow hook); load it with the evictors it serves")
+        layers, kv_heads = self.profile_shape
+        why = profile_problem(self.profile, evictor, layers, kv_heads, graphs=False)
+        if why:
+            raise EngineError(f"evictor {type(evictor).__name__} cannot run on this SGLang engine: {why}")
+
     def start(self, requests: Sequence[StartRequest]) -> list:
         out = []
         for r in requests:
@@ -200,6 +226,7 @@ class SGLangEngine(EvictedStates):
             if getattr(r.evictor.params, "quantize", None):
                 raise EngineError("backend 'sglang' does not store quantized KV (evictor `quantize`); "
                                   "put this proposer's model on backend 'hf'")
+            self.check_evictor(r.evictor)
             out.append(EvictedState(ids, None, 0, 0, r.evictor, r.rng_key, r.evictor.n_protected(len(ids) - 1),
                                     self._route()))
         self._catch_up([s for s in out if isinstance(s, EvictedState)])
@@ -372,6 +399,7 @@ class SGLangEngine(EvictedStates):
                 row.tokens.append(tok)
                 row.logprobs.append(lp)
                 row.entropies.append(entropy_estimate(top, spec.temperature, self.vocab_size))
+                row.confidences.append(token_confidence(top, self.vocab_size))
                 piece = self.piece(tok)
                 row.text += piece
                 if tok in self.eos_ids:
@@ -391,13 +419,16 @@ class SGLangEngine(EvictedStates):
         import torch
 
         width = max(len(r.entropies) for r in rows)
-        ent = torch.zeros(len(rows), width)
+        ent, lps, conf = (torch.zeros(len(rows), width) for _ in range(3))  # [rows, width] each
         for i, r in enumerate(rows):
-            ent[i, : len(r.entropies)] = torch.tensor(r.entropies)
-        trace = StepTrace(ent, torch.tensor([len(r.tokens) for r in rows]), [r.text for r in rows])
+            n = len(r.entropies)
+            ent[i, :n], lps[i, :n], conf[i, :n] = (torch.tensor(x) for x in (r.entropies, r.logprobs, r.confidences))
+        trace = StepTrace(ent, torch.tensor([len(r.tokens) for r in rows]), [r.text for r in rows],
+                          logprobs=lps, confidences=conf)
         flagged = torch.zeros(len(rows), dtype=torch.bool)
+        recorded = {id(p) for _, p in spec.recorded()}
         for name, pruner in spec.pruners:
-            if spec.record_signals:
+            if id(pruner) in recorded:
                 for r, v in zip(rows, pruner.signal(trace).tolist()):
                     r.signals.setdefault(name, []).append(v)
             hit = pruner.check(trace).cpu() & ~flagged
@@ -421,7 +452,8 @@ class SGLangEngine(EvictedStates):
             text_ids = ids[:-1] if row.finish == "eos" else ids
             cands.append(Candidate(problem=0, source=r.request.proposer, index=i, token_ids=list(ids),
                                    text=self.tokenizer.decode(text_ids), logprobs=row.logprobs,
-                                   entropies=row.entropies, finish=row.finish, signals=row.signals))
+                                   entropies=row.entropies, finish=row.finish, signals=row.signals,
+                                   confidences=row.confidences))
         return Proposal(r.request, cands, handle=r.rows if isinstance(r.request.state, EvictedState) else None)
 
     # ------------------------------------------------------------------ scoring

@@ -51,7 +51,7 @@ H2O statistic: read back from the pool after the backend wrote the new keys, so 
 backend with one slot per token works), `process_batch_result_prefill/decode` (the tripwire, compaction),
 `release_kv_cache` (snapshot), `PrefillAdder.add_one_req` and its running requests' offset
 (admission reserves an evicted request's room to its next compaction, not its step cap),
-`SchedulerInternalStateController.get_internal_state` (what `server_state()` reads).
+and `state()`, which the plugin's `server_state()` hook adds.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ from typing import Any, Optional
 import torch
 
 from kvflow.backends.sglang.compaction import Compaction
-from kvflow.backends.sglang.graph import Tables, decode_step, observes_in_graph
+from kvflow.backends.sglang.graph import Profile, Tables, decode_step, observes_in_graph, profile_problem
 from kvflow.backends.sglang.replay import OpCounter, proxy_from_env
 from kvflow.components.allocation import hole_mask
 
@@ -79,7 +79,6 @@ _PROCESSOR = "sglang.srt.managers.scheduler_components.batch_result_processor.Sc
 _RELEASE = "sglang.srt.mem_cache.common.release_kv_cache"
 _ADDER = "sglang.srt.managers.schedule_policy.PrefillAdder"
 _RUNNER_FORWARD = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
-_STATE = "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state"
 
 
 @dataclass
@@ -173,6 +172,9 @@ class Runtime(Compaction):
         # only then must every evictor fit the graph (without graphs a decode forward runs eagerly
         # and an evictor with its own observe() is observed row by row after `decode_step`)
         self.captured = False
+        # what the decode hook does, from the evictors this engine serves (`graph.Profile`; an
+        # engine started without them, in tests and benches, gets every part)
+        self.profile = Profile.from_env() or Profile.general()
         self.ops = OpCounter() if os.environ.get("KVFLOW_SGLANG_COUNT_OPS") == "1" else None
         self.op_counts: list[dict] = []  # per decode forward (KVFLOW_SGLANG_COUNT_OPS=1)
         self.host_counts: dict[str, int] = {}
@@ -202,31 +204,18 @@ class Runtime(Compaction):
     def make_tables(self, req_to_token_pool, kv) -> Tables:
         if self.tables is None:
             self.req_to_token_pool, self.kv = req_to_token_pool, kv
-            self.tables = Tables(req_to_token_pool.req_to_token, len(kv.k_buffer))
+            self.tables = Tables(req_to_token_pool.req_to_token, len(kv.k_buffer), self.profile)
         return self.tables
 
     def check_fits(self, ev) -> None:
-        """What the decode graph's fixed shapes hold: refused with the setting to raise. The
-        span R bounds the rows `decode_step` reads: those of observing evictors (H2O's
-        statistic) and varying allocations (holes); others may be as long as they like."""
-        if self.mode != "graph":
-            return
-        t, layers = self.tables, self.tables.layers
-        kv_heads = self.kv.k_buffer[0].shape[1]
-        varies = ev.varies(layers)
-        width = (max(ev.layer_widths(layers, kv_heads)) if varies else ev.trigger) + 1  # a row's longest
-        graphs = self.captured or self.proxy is not None
-        problem = None
-        if (ev.observes_attention or varies) and width > t.span:
-            problem = f"its rows reach {width} slots, past KVFLOW_SGLANG_GRAPH_SPAN={t.span}"
-        elif ev.query_window > t.window:
-            problem = f"its query window {ev.query_window} is past KVFLOW_SGLANG_GRAPH_WINDOW={t.window}"
-        elif ev.observes_attention and not observes_in_graph(ev) and graphs:
-            problem = ("it observes attention with its own observe(), and the decode graph keeps H2O's statistic "
-                       "only (set models.<entry>.engine.disable_cuda_graph: true: without decode graphs kvflow "
-                       "observes such rows eagerly)")
+        """What this engine's decode hook was built for (its `Profile`, from the evictors the
+        pipeline serves on it): an evictor that needs a part the profile left out is refused
+        before it runs (kvflow's client checks the same first, `SGLangEngine.check_evictor`;
+        this is the scheduler's backstop)."""
+        problem = profile_problem(self.profile, ev, self.tables.layers, self.kv.k_buffer[0].shape[1],
+                                  graphs=self.mode == "graph" and (self.captured or self.proxy is not None))
         if problem:
-            raise ValueError(f"kvflow: evictor {type(ev).__name__} cannot run in this engine's decode graph: {problem}")
+            raise ValueError(f"kvflow: evictor {type(ev).__name__} cannot run on this engine: {problem}")
 
     def begin(self, req, tree_cache) -> None:
         """A kvflow request is being scheduled: start it from its snapshot (once)."""
@@ -416,7 +405,7 @@ class Runtime(Compaction):
             ev = live.evictor
             span = live.resident + count
             if span > t.span:
-                raise ValueError(f"kvflow: an evicted row of {span} slots is past KVFLOW_SGLANG_GRAPH_SPAN={t.span}")
+                raise ValueError(f"kvflow: an evicted row of {span} slots is past the engine's span {t.span}")
             slots = req_to_token[pool_idx, :span].long()
             keys = kv.get_key_buffer(lid)[slots].transpose(0, 1)[None]  # [1, kv_heads, span, D]
             tk = torch.arange(count, device=keys.device)
@@ -752,30 +741,25 @@ def _reserving_room(admitting: bool):
     return hook
 
 
-def _internal_state(result, controller, *args, **kwargs):
-    """`Engine.get_server_info()` gains a `kvflow` entry: KV slots in use, snapshots held."""
-    scheduler = controller.scheduler
-    allocator = scheduler.token_to_kv_pool_allocator
-    result.internal_state["kvflow"] = {
-        "kv_slots_total": int(scheduler.max_total_num_tokens),
-        "kv_slots_free": int(allocator.available_size()),
-        # prefixes the radix tree keeps for reuse but no running request holds (freed on demand)
-        "kv_slots_evictable": int(scheduler.tree_cache.evictable_size()),
+def state() -> dict:
+    """The evicted requests' part of `server_state()` (the plugin's state hook adds it)."""
+    return {
         "evicted_requests": len(RUNTIME.live),
-        "running_requests": len(getattr(scheduler.running_batch, "reqs", None) or ()),
         "evicted_request_slots": {rid: live.resident for rid, live in RUNTIME.live.items()},
         "peak_request_slots": RUNTIME.peak_slots,
         "compactions": RUNTIME.compactions,
         "retractions": RUNTIME.retractions,
         "observed_tokens": RUNTIME.observed_tokens,
         "hooks": RUNTIME.mode,
-        "replay_proxy": None if RUNTIME.proxy is None else {"captures": RUNTIME.proxy.captures,
-                                                             "replays": RUNTIME.proxy.replays},
+        "profile": vars(RUNTIME.profile) | {},
+        "table_bytes": RUNTIME.tables.nbytes() if RUNTIME.tables is not None else 0,
+        "replay_proxy": None if RUNTIME.proxy is None else {
+            "captures": RUNTIME.proxy.captures, "replays": RUNTIME.proxy.replays,
+            "replays_by_bucket": {str(b): n for b, n in RUNTIME.proxy.replays_by_bucket.items()}},
         "op_counts": RUNTIME.op_counts[-64:],
         "snapshots": len(RUNTIME.snapshots),
         "snapshot_tokens": sum(s.length for s in RUNTIME.snapshots.values()),
     }
-    return result
 
 
 def register() -> None:
@@ -787,7 +771,6 @@ def register() -> None:
     HookRegistry.register(_PROCESSOR + ".process_batch_result_prefill", _after_result, HookType.AFTER)
     HookRegistry.register(_PROCESSOR + ".process_batch_result_decode", _after_result, HookType.AFTER)
     HookRegistry.register(_RELEASE, _release, HookType.BEFORE)
-    HookRegistry.register(_STATE, _internal_state, HookType.AFTER)
     if RUNTIME.ops is not None:
         HookRegistry.register(_RUNNER_FORWARD, _counting, HookType.AROUND)
     # admission: reserve an evicted request's room to its next compaction, not its step cap

@@ -1,5 +1,5 @@
 """kvflow's SGLang plugin (entry point group `sglang.srt.plugins`): seeded sampling per request,
-and evicted requests (`evict.py`).
+and evicted requests (`evict.py`) on engines that serve them.
 
 SGLang samples from a per-request seed (`sampling_params["sampling_seed"]`, hashed with the
 token's position: the same seed and prefix give the same tokens, whatever shares the batch)
@@ -17,6 +17,10 @@ SGLang scheduler otherwise busy-polls a whole core, which a mixed pipeline's `hf
 from 1 s to 100 ms: kvflow sends each step's requests right after the last step's ended, and a
 request that lands just before the nap must not wait out a second.
 
+Evicted requests' hooks (`evict.py`) are registered only where the worker passed the engine's
+decode profile (`KVFLOW_SGLANG_EVICT`, `graph.Profile`): an engine that serves full-context
+proposers or a scorer runs SGLang's own forward untouched.
+
 It registers kvflow's `Qwen2ForProcessRewardModel` in SGLang's model registry for an engine
 that serves one (`prm_model.py`).
 
@@ -33,6 +37,7 @@ import time
 _SEEDS = "sglang.srt.sampling.sampling_batch_info.SamplingBatchInfo.from_schedule_batch"
 _DRAW = "sglang.srt.layers.sampler.multinomial_with_seed"
 _NAP = "sglang.srt.managers.scheduler_components.idle_sleeper.IdleSleeper.maybe_sleep"
+_STATE = "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state"
 NAP_MS = 100
 _rng = random.SystemRandom()
 
@@ -45,13 +50,36 @@ def register() -> None:
     HookRegistry.register(_SEEDS, _seed_rows, HookType.AFTER)
     HookRegistry.register(_DRAW, seeded_draw, HookType.REPLACE)
     HookRegistry.register(_NAP, _short_nap, HookType.REPLACE)
-    from kvflow.backends.sglang import evict
+    HookRegistry.register(_STATE, _internal_state, HookType.AFTER)
+    if os.environ.get("KVFLOW_SGLANG_EVICT"):  # set by the worker for an engine that serves evicted proposers only
+        from kvflow.backends.sglang import evict
 
-    evict.register()  # evicted requests (kvflow's evictors per request, layer and KV head)
+        evict.register()  # evicted requests (kvflow's evictors per request, layer and KV head)
     if os.environ.get("KVFLOW_SGLANG_PRM") == "1":  # set by the worker for a PRM checkpoint only:
         from kvflow.backends.sglang import prm_model  # SGLang's model registry imports every model (seconds)
 
         prm_model.register()  # Qwen2 process reward models (SGLang has no such class)
+
+
+def _internal_state(result, controller, *args, **kwargs):
+    """`Engine.get_server_info()` gains a `kvflow` entry: KV slots in use and, on an engine that
+    serves evicted proposers, their state (`evict.state()`); `evict_hooks` says which."""
+    scheduler = controller.scheduler
+    allocator = scheduler.token_to_kv_pool_allocator
+    out = {
+        "kv_slots_total": int(scheduler.max_total_num_tokens),
+        "kv_slots_free": int(allocator.available_size()),
+        # prefixes the radix tree keeps for reuse but no running request holds (freed on demand)
+        "kv_slots_evictable": int(scheduler.tree_cache.evictable_size()),
+        "running_requests": len(getattr(scheduler.running_batch, "reqs", None) or ()),
+        "evict_hooks": bool(os.environ.get("KVFLOW_SGLANG_EVICT")),
+    }
+    if out["evict_hooks"]:
+        from kvflow.backends.sglang import evict
+
+        out.update(evict.state())
+    result.internal_state["kvflow"] = out
+    return result
 
 
 def _short_nap(sleeper, *args, **kwargs) -> None:

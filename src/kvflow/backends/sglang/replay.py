@@ -15,8 +15,12 @@ kvflow's part of each decode layer the way a replayed CUDA graph does:
   padded to the bucket (as SGLang pads to its captured sizes), on the same table tensors (a
   traced graph holds them by reference: static buffers). None of the hook's Python runs.
 
-Buckets follow SGLang's default capture sizes (1, 2, 4, 8, then multiples of 8 up to 256);
-larger batches run the hook eagerly, as SGLang runs them without a graph. The attention
+Buckets are SGLang 0.5.23's own decode capture sizes (`generate_decode_cuda_graph_batch_sizes`,
+asked for the largest default `max_bs` SGLang resolves on a datacenter GPU: 512 with tp >= 4;
+`KVFLOW_SGLANG_REPLAY_MAX_BS` changes it): 1, 2, 4, 8, 12, 16..256 by 8, 272..512 by 16;
+larger batches run the hook eagerly, as SGLang runs them without a graph. `replays_by_bucket`
+counts replays per size, so a test can require each to run more than once with the host
+rewriting the tables between replays. The attention
 backend itself (`torch_native`, Python per request) runs eagerly: SGLang's GPU backends are
 capturable by construction; only kvflow's part is under test.
 
@@ -32,7 +36,26 @@ from typing import Callable, Optional
 
 import torch
 
-BUCKETS = (1, 2, 4, 8, *range(16, 257, 8))
+MAX_BS = int(os.environ.get("KVFLOW_SGLANG_REPLAY_MAX_BS", "512") or 512)
+
+
+def capture_sizes(max_bs: int = MAX_BS) -> tuple[int, ...]:
+    """SGLang's decode capture sizes for `max_bs` (its own function where SGLang is installed;
+    the same list, as read from SGLang 0.5.23, where it is not)."""
+    try:
+        from types import SimpleNamespace
+
+        from sglang.srt.arg_groups.cuda_graph_hook import generate_decode_cuda_graph_batch_sizes
+
+        sizes = generate_decode_cuda_graph_batch_sizes(
+            SimpleNamespace(disable_cuda_graph_padding=False, speculative_algorithm=None), max_bs)
+    except ImportError:
+        sizes = [1, 2, 4, 8, 12, *range(16, 257, 8), *range(272, 512, 16), *range(512, max_bs + 1, 32)]
+        sizes = [b for b in sizes if b <= max_bs] + ([max_bs] if max_bs not in sizes else [])
+    return tuple(sorted(set(sizes)))
+
+
+BUCKETS = capture_sizes()
 
 
 def bucket(bs: int) -> Optional[int]:
@@ -46,6 +69,7 @@ class ReplayProxy:
         self.graphs: dict[tuple, Callable] = {}
         self.captures = 0
         self.replays = 0
+        self.replays_by_bucket: dict[int, int] = {}
 
     def run(self, key, fn: Callable, q: torch.Tensor, out: torch.Tensor, req_pool_indices: torch.Tensor,
             seq_lens: torch.Tensor, capturing: Callable) -> torch.Tensor:
@@ -71,6 +95,7 @@ class ReplayProxy:
                     torch.cat([req_pool_indices, req_pool_indices.new_zeros(pad)]),
                     torch.cat([seq_lens, seq_lens.new_ones(pad)]))
         self.replays += 1
+        self.replays_by_bucket[b] = self.replays_by_bucket.get(b, 0) + 1
         result = graph(*args)
         return result[:bs] if pad else result
 

@@ -245,32 +245,66 @@ def check_resolved(resolved: dict, evicting: bool) -> None:
                                  f"(docs/backends.md, \"Running on GPUs\")")
 
 
-def load_engine(model_cfg, evicting: bool = True):
-    """The engine of a model entry; entries with the same engine arguments share one (one
-    SGLang worker, one set of weights). `evicting`: whether evicted proposers run on it (their
-    defaults apply and their refusals are checked against what SGLang resolved); True unless
-    the caller knows otherwise."""
+def load_engine(model_cfg, evicting: bool = True, evictors=None):
+    """The engine of a model entry; entries with the same engine arguments and decode profile
+    share one (one SGLang worker, one set of weights). `evicting`: whether evicted proposers run
+    on it (their defaults apply and their refusals are checked against what SGLang resolved);
+    True unless the caller knows otherwise. `evictors`: the (class, params) of every evictor the
+    pipeline serves on it (kvflow's compiler passes them), from which its decode hook is built
+    (`graph.Profile`); None: every part of the hook (tests, benches)."""
+    from transformers import AutoConfig
+
     from kvflow.backends.sglang.client import shared
     from kvflow.backends.sglang.engine import SGLangEngine
     from kvflow.models.loading import eos_token_ids
 
     kwargs = engine_kwargs(model_cfg, evicting)
-    worker = shared(kwargs, f"models entry {model_cfg.id!r} (backend sglang)")
+    config = AutoConfig.from_pretrained(kwargs["model_path"], trust_remote_code=kwargs["trust_remote_code"])
+    kv_shape = _kv_shape(config, model_cfg)
+    profile = decode_profile(evictors, kv_shape, int(kwargs.get("tp_size") or 1)) if evicting else None
+    worker = shared(kwargs, f"models entry {model_cfg.id!r} (backend sglang)",
+                    profile.to_json() if profile is not None else None)
     check_resolved(worker.info.get("server_args") or {}, evicting)
     engine = _ENGINES.get(id(worker))
     if engine is None or engine.worker is not worker:
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoTokenizer
 
         path = kwargs.get("tokenizer_path", kwargs["model_path"])
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=kwargs["trust_remote_code"])
-        config = AutoConfig.from_pretrained(kwargs["model_path"], trust_remote_code=kwargs["trust_remote_code"])
-        engine = SGLangEngine(worker, tokenizer, vocab_size=config.vocab_size, kv_shape=_kv_shape(config, model_cfg),
+        engine = SGLangEngine(worker, tokenizer, vocab_size=config.vocab_size, kv_shape=kv_shape,
                               eos_ids=eos_token_ids(_generation_config(kwargs["model_path"]), config, tokenizer),
                               device=kwargs["device"])
         engine.resolved = dict(worker.info.get("server_args") or {})
+        engine.profile = profile
+        engine.profile_shape = (kv_shape[0], max(1, kv_shape[1] // int(kwargs.get("tp_size") or 1)))
         _ENGINES[id(worker)] = engine
     engine.reset()
     return engine
+
+
+def decode_profile(evictors, kv_shape: tuple[int, int, int, int], tp_size: int = 1):
+    """The `graph.Profile` that serves these (evictor class, params) pairs on a model of
+    kv_shape (layers, kv_heads, head_dim, bytes per element); None: the general one. A
+    `budget_bytes` is turned into its budget here as the compiler will; an evictor whose
+    parameters do not work for the model is left out (the compiler refuses it, naming the field)."""
+    from kvflow.backends.sglang.graph import Profile
+    from kvflow.kv_memory import budget_for_bytes
+
+    if evictors is None:
+        return Profile.general()
+    layers, kv_heads = kv_shape[0], max(1, kv_shape[1] // tp_size)
+    instances = []
+    for cls, params in evictors:
+        try:
+            if getattr(params, "budget_bytes", None) is not None:
+                params = params.with_budget(budget_for_bytes(params, *kv_shape, evictor_cls=cls))
+            ev = cls(params)
+            if getattr(ev, "bounded", True):
+                ev.allocation(layers)
+            instances.append(ev)
+        except ValueError:
+            continue
+    return Profile.of(instances, layers, kv_heads)
 
 
 def _kv_shape(config, model_cfg) -> tuple[int, int, int, int]:

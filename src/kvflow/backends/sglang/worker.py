@@ -183,6 +183,8 @@ def merged_state(replicas: list) -> dict:
                 out.setdefault(key, {}).update(value)
             elif isinstance(value, (int, float)) and not isinstance(value, bool):
                 out[key] = out.get(key, 0) + value
+            else:  # settings (hooks, evict_hooks): the same on every replica
+                out.setdefault(key, value)
     out["replicas"] = replicas
     return out
 
@@ -234,6 +236,8 @@ def main() -> int:
     # the logprobs kvflow promises are the model's own (temperature 1); the plugin seeds rows
     os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
     os.environ["KVFLOW_SGLANG"] = "1"
+    if first.get("evict"):  # the decode profile of an engine that serves evicted proposers (graph.Profile)
+        os.environ["KVFLOW_SGLANG_EVICT"] = first["evict"]
     if _is_prm(first["engine"].get("model_path")):  # the plugin registers kvflow's PRM class for it
         os.environ["KVFLOW_SGLANG_PRM"] = "1"
     try:
