@@ -3,7 +3,8 @@
 #   scripts/install.sh            # kvflow only
 #   scripts/install.sh dev,docs   # plus test and docs tools
 #   scripts/install.sh dev,docs,sglang   # plus SGLang (the `sglang` backend)
-#   scripts/install.sh ray        # plus Ray (run.executor: ray; any extras combine: dev,docs,sglang,ray)
+#   scripts/install.sh ray        # plus Ray (run.executor: ray; any extras combine: dev,docs,sglang,ray,serve)
+#   scripts/install.sh serve      # plus FastAPI and uvicorn (`kvflow serve`)
 # torch: with an NVIDIA GPU, PyPI's default (CUDA) build; without one, the CPU build of
 # torch 2.13.0 (set KVFLOW_TORCH_INDEX to a CPU wheel index where PyPI would give CUDA).
 # sglang: SGLang 0.5.23 needs torch 2.14.1 (PyPI's build, which also runs on a CPU). With a GPU
