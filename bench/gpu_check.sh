@@ -11,6 +11,9 @@
 #   bash bench/gpu_wheels.sh bench/wheels     # here, once: ~12 MiB of wheels (gitignored folder)
 #   run(command="KVFLOW_WHEELS=bench/wheels bash bench/gpu_check.sh", carry=["bench/wheels"], timeout_s=540)
 # (`bash bench/gpu_check.sh --wheels bench/wheels [sglang|alloc]` is the same.)
+# A part that cannot run here (SGLang on an image without it) exits 4 and says NOT TESTED, unless
+# KVFLOW_GPU_CHECK_SKIP names it (comma-separated: `KVFLOW_GPU_CHECK_SKIP=sglang`); a part whose
+# runs failed exits 1. The hf part records failed runs as {"failed": ...} and exits 1 after them.
 # Budget: about 8 minutes (model build ~1 min, three runs of growing size; the install ~10 s).
 #   bash bench/gpu_check.sh            # writes $OUT/gpu_check.json (or ./gpu_check.json)
 #   bash bench/gpu_check.sh sglang     # only the SGLang part (below), about 7 minutes
@@ -62,8 +65,15 @@ print("torch", torch.__version__, "cuda", torch.cuda.is_available())
 if not torch.cuda.is_available():
     sys.exit("gpu_check: no CUDA")
 PY
+skipped() {  # a part that could not run is never a success, unless the caller said to skip it
+  case ",${KVFLOW_GPU_CHECK_SKIP:-}," in *",$1,"*)
+    echo "gpu_check: $1 part skipped as asked (KVFLOW_GPU_CHECK_SKIP): $2" >&2; return 0 ;;
+  esac
+  echo "gpu_check: $1 part NOT TESTED: $2 (set KVFLOW_GPU_CHECK_SKIP=$1 to skip it on purpose)" >&2
+  return 4
+}
 sglang_part() {
-  ${PYTHON:-python3} -c "import sglang" 2>/dev/null || { echo "gpu_check: no SGLang here; SGLang part skipped" >&2; return 0; }
+  ${PYTHON:-python3} -c "import sglang" 2>/dev/null || { skipped sglang "SGLang is not importable on this machine"; return $?; }
   dir="${TMPDIR:-/tmp}/kvflow-random-qwen2.5-math-7b"
   ${PYTHON:-python3} bench/scheduler_throughput.py --save-model "$dir" --shape 7b || return 1
   timeout 420 ${PYTHON:-python3} bench/sglang_evicted.py --engines sglang --device cuda --model "$dir" \
@@ -81,18 +91,19 @@ alloc_part() {
 }
 fast_part() {  # issue 25: engines that overlap, and Table 3's throughput rows, on one GPU
   # 7B/1.5B shapes at 14 of their 28 layers (to fit the budget), N = 8, 3 steps of <= 64 tokens
-  local common="--device cuda --layers 14 --n 8 --steps 3" f="${OUT:-.}/gpu_fast.jsonl"
+  local common="--device cuda --layers 14 --n 8 --steps 3" f="${OUT:-.}/gpu_fast.jsonl" failed=0
   : > "$f"
   for o in off on; do  # base and helper on threads of their own (one GPU: launches interleave)
     timeout 150 ${PYTHON:-python3} bench/scheduler_throughput.py $common --problems 32 --overlap $o | tee -a "$f" \
-      || echo "{\"failed\": \"overlap $o\"}" >> "$f"
+      || { echo "{\"failed\": \"overlap $o\"}" >> "$f"; failed=1; }
   done
   for b in 8 64; do  # problems/min: KV-Rescue vs best-of-N of the base with full / evicted KV
     for p in full-bon evicted-bon rescue; do
       timeout 150 ${PYTHON:-python3} bench/scheduler_throughput.py $common --problems $b --pipeline $p | tee -a "$f" \
-        || echo "{\"failed\": \"$p $b\"}" >> "$f"
+        || { echo "{\"failed\": \"$p $b\"}" >> "$f"; failed=1; }
     done
   done
+  return $failed
 }
 graphs_part() {  # issue 25: the capturable SGLang hook under torch.cuda.graph, 7B-like shapes
   PYTHONPATH="src:plugins:${PYTHONPATH:-}" timeout 120 ${PYTHON:-python3} bench/sglang_graph_capture.py --bs 64 \
@@ -103,7 +114,10 @@ if [ "${1:-}" = "graphs" ]; then graphs_part; exit $?; fi
 if [ "${1:-}" = "fast" ]; then fast_part; exit $?; fi
 if [ "${1:-}" = "alloc" ]; then alloc_part; exit $?; fi
 : > "$out"
+status=0
 for spec in "--problems 8 --n 8 --steps 2" "--problems 32 --n 8 --steps 3" "--problems 64 --n 8 --steps 3"; do
   echo "== $spec" >&2
-  timeout 200 ${PYTHON:-python3} bench/scheduler_throughput.py --device cuda $spec | tee -a "$out" || echo "{\"failed\": \"$spec\"}" >> "$out"
+  timeout 200 ${PYTHON:-python3} bench/scheduler_throughput.py --device cuda $spec | tee -a "$out" \
+    || { echo "{\"failed\": \"$spec\"}" >> "$out"; status=1; }
 done
+exit $status

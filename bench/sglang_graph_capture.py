@@ -39,7 +39,7 @@ def main() -> int:
     layers, q_heads, kv_heads, d, bs = args.layers, 28, 4, 128, args.bs
     pool, ctx, slots = 64 * 1024, 4096, 512
     req_to_token = torch.zeros(slots, ctx, dtype=torch.int32, device=dev)
-    t = graph.Tables(req_to_token, layers)
+    t = graph.Tables(req_to_token, layers, graph.Profile.general())  # every part of the hook
     for lid in range(layers):
         t.ensure(lid, q_heads, kv_heads, d, dtype)
     g = torch.Generator(device=dev).manual_seed(0)

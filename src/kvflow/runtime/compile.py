@@ -8,6 +8,8 @@ the local cache or with a reachable hub), otherwise the run fails before any wei
 
 from __future__ import annotations
 
+import inspect
+
 from typing import Callable
 
 from kvflow.config.validate import LoadedPipeline
@@ -82,7 +84,9 @@ def engine_use_problems(loaded: LoadedPipeline, registry=None) -> list:
                 f"proposers.{name}.evictor", f"backend '{backend}' (models.{prop.model}.backend) runs full-context "
                 f"proposers only, not evictor '{prop.evictor.kind}'", "put this proposer's model on backend 'hf'"))
         elif hasattr(loader, "check_evictor"):  # what a backend cannot do with an evictor, said before loading
-            why = loader.check_evictor(loaded.pipeline.models[prop.model], loaded.components.proposers[name].evictor.params)
+            spec = loaded.components.proposers[name].evictor
+            kwargs = {"evictor_cls": spec.cls} if "evictor_cls" in inspect.signature(loader.check_evictor).parameters else {}
+            why = loader.check_evictor(loaded.pipeline.models[prop.model], spec.params, **kwargs)
             if why:  # ("params.<name>", ...) is the evictor's parameter, anything else the model entry's
                 field, message = why
                 param = field.removeprefix("params.")

@@ -31,12 +31,13 @@ class SGLangBackend:
     evicts = True
 
     @staticmethod
-    def check_evictor(model_cfg, params) -> Optional[tuple[str, str]]:
-        """None if an evicted proposer with these evictor params can run on this model entry,
-        else (field, sentence): `params.<name>` of the evictor, or `engine.<name>` of the model."""
+    def check_evictor(model_cfg, params, evictor_cls=None) -> Optional[tuple[str, str]]:
+        """None if an evicted proposer with these evictor params (of `evictor_cls`, where the
+        caller passes it) can run on this model entry, else (field, sentence): `params.<name>`
+        of the evictor, `engine.<name>` or `id` of the model."""
         from kvflow.backends.sglang.settings import check_evicting
 
-        return check_evicting(model_cfg, params)
+        return check_evicting(model_cfg, params, evictor_cls)
 
     @staticmethod
     def check(model_cfg) -> Optional[Any]:

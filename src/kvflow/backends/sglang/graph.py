@@ -244,11 +244,14 @@ class Tables:
             self.hole_end[row] = end
 
 
+_BMM_OUT_DTYPE = hasattr(torch.ops.aten.bmm, "dtype")  # bmm(..., out_dtype=) (CUDA and meta kernels; torch >= 2.8)
+
+
 def _scores(qg: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """qg [n, g, D] (already scaled) x keys [n, R, D] -> [n, g, R] float32 scores. On a GPU a
     low-precision model multiplies in its own dtype with float32 accumulation and output (no
     float32 copy of the keys); elsewhere (the CPU) in float32, as the hf cache's observe does."""
-    if keys.dtype != torch.float32 and keys.device.type != "cpu":
+    if keys.dtype != torch.float32 and keys.device.type != "cpu" and _BMM_OUT_DTYPE:
         return torch.bmm(qg.to(keys.dtype), keys.transpose(1, 2), out_dtype=torch.float32)
     return torch.bmm(qg.float(), keys.float().transpose(1, 2))
 

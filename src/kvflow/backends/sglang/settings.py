@@ -149,11 +149,66 @@ def refusal(settings: dict, evicting: bool) -> Optional[tuple[str, str]]:
     return None
 
 
-def check_evicting(model_cfg, params) -> Optional[tuple[str, str]]:
+def check_evicting(model_cfg, params, evictor_cls=None) -> Optional[tuple[str, str]]:
     if getattr(params, "quantize", None):
         return ("params.quantize", "backend 'sglang' does not store quantized KV (SGLang's pool has one "
                                    "precision per layer); use backend 'hf' for `quantize`")
-    return refusal(model_cfg.engine or {}, evicting=True)
+    why = refusal(model_cfg.engine or {}, evicting=True)
+    if why is None and evictor_cls is not None and str(model_cfg.device).startswith("cuda"):
+        why = graph_problem(model_cfg.engine or {}, [evictor_cls(params)])
+    if why is None:
+        config = _local_config(model_cfg)
+        if config is not None and kv_layout_problem(config):
+            why = ("id", kv_layout_problem(config))
+    return why
+
+
+def graph_problem(engine: dict, evictors) -> Optional[tuple[str, str]]:
+    """On a GPU with decode graphs on (SGLang's default there): an evictor that observes
+    attention with its own observe() cannot run (the captured hook keeps H2O's statistic only)."""
+    from kvflow.backends.sglang.graph import observes_in_graph
+
+    config = engine.get("cuda_graph_config")
+    decode = config.get("decode") if isinstance(config, dict) else None
+    if engine.get("disable_cuda_graph") is True or (isinstance(decode, dict) and decode.get("backend") == "disabled"):
+        return None
+    for ev in evictors:
+        if ev.observes_attention and not observes_in_graph(ev):
+            return ("engine.disable_cuda_graph",
+                    f"evictor {type(ev).__name__} observes attention with its own observe(), and the decode graph "
+                    "kvflow captures on a GPU keeps H2O's statistic only; set `disable_cuda_graph: true` under this "
+                    "model's engine (kvflow then observes its rows eagerly)")
+    return None
+
+
+#: SGLang pools whose layout kvflow's hooks do not read (one token per slot, K and V per layer)
+def kv_layout_problem(config: dict) -> Optional[str]:
+    """Why an evicting engine cannot run on a model of this config.json, or None: multi-head
+    latent attention (a compressed KV per token, no per-head keys) and hybrid sliding-window
+    models (SGLang gives their window layers a pool of their own) hold no per-head keys in the
+    pool kvflow compacts. A full-context engine runs them untouched."""
+    text = {k: config.get(k) for k in ("model_type", "kv_lora_rank", "layer_types", "sliding_window_pattern",
+                                       "use_sliding_window", "max_window_layers", "num_hidden_layers")}
+    if text["kv_lora_rank"] or str(text["model_type"]).startswith(("deepseek_v2", "deepseek_v3", "kimi", "minicpm3")):
+        return (f"model_type {text['model_type']!r} uses multi-head latent attention (kv_lora_rank): its KV pool has "
+                "no per-head keys for kvflow's evictors; run its evicted proposers on backend 'hf', or this model "
+                "full-context")
+    layer_types = text["layer_types"] or []
+    if any("sliding" in str(t) for t in layer_types) or text["sliding_window_pattern"] or (
+            text["use_sliding_window"] and (text["max_window_layers"] or 0) < (text["num_hidden_layers"] or 0)):
+        return (f"model_type {text['model_type']!r} mixes sliding-window and full-attention layers, which SGLang "
+                "serves from separate pools kvflow's hooks do not read; run its evicted proposers on backend 'hf', "
+                "or this model full-context")
+    return None
+
+
+def _local_config(model_cfg) -> Optional[dict]:
+    """The model's config.json where it is a local directory (nothing fetched, nothing imported)."""
+    try:
+        path = Path(model_cfg.id) / "config.json"
+        return json.loads(path.read_text()) if path.is_file() else None
+    except (OSError, ValueError, TypeError):
+        return None
 
 
 def check_settings(model_cfg) -> Optional[tuple[str, str]]:
@@ -258,10 +313,19 @@ def load_engine(model_cfg, evicting: bool = True, evictors=None):
     from kvflow.backends.sglang.engine import SGLangEngine
     from kvflow.models.loading import eos_token_ids
 
+    from kvflow.errors import EngineSettingError
+
     kwargs = engine_kwargs(model_cfg, evicting)
     config = AutoConfig.from_pretrained(kwargs["model_path"], trust_remote_code=kwargs["trust_remote_code"])
     kv_shape = _kv_shape(config, model_cfg)
     profile = decode_profile(evictors, kv_shape, int(kwargs.get("tp_size") or 1)) if evicting else None
+    # refused before the worker starts (no weight loaded): what the hooks cannot read or run
+    if evicting and kv_layout_problem(config.to_dict()):
+        raise EngineSettingError("id", kv_layout_problem(config.to_dict()), "see docs/backends.md, \"Running on GPUs\"")
+    if evicting and evictors and kwargs["device"] == "cuda":
+        why = graph_problem(kwargs, [cls(params) for cls, params in evictors])
+        if why:
+            raise EngineSettingError(why[0], why[1], "set it under the model's engine: mapping")
     worker = shared(kwargs, f"models entry {model_cfg.id!r} (backend sglang)",
                     profile.to_json() if profile is not None else None)
     check_resolved(worker.info.get("server_args") or {}, evicting)

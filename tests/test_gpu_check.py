@@ -1,0 +1,40 @@
+"""bench/gpu_check.sh never reports success for a part it could not run (issue 33).
+
+The lent GPU image has no SGLang; the SGLang part used to print "skipped" and exit 0, so a
+device check looked green without testing SGLang. Here the script runs with an interpreter
+stand-in for which `import sglang` fails (and the preamble's version check passes): the part
+exits 4 and says NOT TESTED, unless KVFLOW_GPU_CHECK_SKIP names it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+from conftest import REPO
+
+STUB = """#!/bin/sh
+# stands in for python3: `-c "import sglang"` fails, the preamble (a script on stdin) passes
+case "$1" in
+  -c) exit 1 ;;
+  -) cat >/dev/null; exit 0 ;;
+esac
+exit 0
+"""
+
+
+def _run(tmp_path, **env):
+    stub = tmp_path / "python"
+    stub.write_text(STUB)
+    stub.chmod(0o755)
+    return subprocess.run(["bash", str(REPO / "bench/gpu_check.sh"), "sglang"], capture_output=True, text=True,
+                          env={**os.environ, "PYTHON": str(stub), "OUT": str(tmp_path), **env}, timeout=60)
+
+
+def test_a_part_that_could_not_run_fails_the_check(tmp_path):
+    done = _run(tmp_path)
+    assert done.returncode == 4 and "NOT TESTED" in done.stderr, (done.returncode, done.stderr)
+
+
+def test_a_part_skipped_on_purpose_passes_and_says_so(tmp_path):
+    done = _run(tmp_path, KVFLOW_GPU_CHECK_SKIP="sglang")
+    assert done.returncode == 0 and "skipped as asked" in done.stderr, (done.returncode, done.stderr)
