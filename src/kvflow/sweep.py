@@ -21,7 +21,8 @@ from typing import Callable, Iterable, Optional, Sequence
 
 from kvflow.config.loader import format_path, parse_path
 from kvflow.errors import ConfigProblem, UserError
-from kvflow.runtime.progress import Progress
+from kvflow.runtime.progress import Progress, Tally, clock_text
+from kvflow.runtime.results import ResultsDir
 
 SWEEP_FILE = "<--sweep>"
 
@@ -175,20 +176,27 @@ def run_sweep(file, sweeps: Sequence[str], *, sets: Sequence[str] = (), unsets: 
         return _run_on_ray(points, force=force, registry=registry, say=say, ray_address=ray_address)
     code = 0
     rows = []
+    complete = {point.index for point in points if not force and _complete(point.loaded)}
     with Progress(total, title="sweep") as bar:
+        pace = Tally(total - len(complete))  # the ETA counts the points that run
         for i, point in enumerate(points, 1):
             path = runner.results_path(point.loaded)
-            status = "skipped (complete)" if not force and _complete(point.loaded) else None
-            bar.update(i - 1, point.label)
+            status = "skipped (complete)" if point.index in complete else None
+            bar.update(i - 1, f"{point.label}; ETA {clock_text(pace.eta())}")
             if status is None:
                 say(f"sweep [{i}/{total}] {point.label}: running -> {path}")
                 rc = int(runner.run_pipeline(point.loaded, force=force, registry=registry, quiet=True) or 0)
                 code = max(code, rc)
                 status = "done" if rc == 0 else f"failed (exit {rc})"
+                pace.add()
+                accuracy = (ResultsDir(path).metrics() or {}).get("accuracy")
+                say(f"sweep [{i}/{total}] {point.label}: {status}"
+                    + (f", accuracy {accuracy:.1%}" if isinstance(accuracy, (int, float)) else "")
+                    + f"; {pace.done}/{pace.total} run, ETA {clock_text(pace.eta())}")
             else:
                 say(f"sweep [{i}/{total}] {point.label}: {status} {path}")
             rows.append((point, path, status))
-            bar.update(i, point.label)
+            bar.update(i, f"{point.label}; ETA {clock_text(pace.eta())}")
     _print_summary(rows)
     return code
 

@@ -25,6 +25,8 @@ def run(
         None, "--ray-address", metavar="HOST:PORT",
         help="The Ray cluster for run.executor: ray (default: RAY_ADDRESS, else a local cluster started for the "
              "run); `auto` finds one started on this machine with `ray start`."),
+    log: bool = typer.Option(False, "--log", help="One plain line per finished problem on stderr, even on a terminal "
+                             "(instead of the progress bar)."),
 ) -> None:
     """Run a pipeline over its dataset and write a results directory.
 
@@ -43,6 +45,10 @@ def run(
     With `run.executor: ray` the problems are decoded by kvflow workers on a Ray cluster
     (`--ray-address`, else RAY_ADDRESS, else a local one), each with its own engines, and
     this process writes the same results directory; the points of a sweep share the workers.
+
+    On a terminal, a progress bar shows the problems done, the accuracy so far, the tokens
+    generated per second and the time left (ETA); a sweep's bar counts its points. When
+    stderr is not a terminal, or with `--log`, each finished problem is one line instead.
     \f
     What a results directory holds: [Results](results.md). Grids and ablations:
     [Compose an ablation and a sweep](tutorials/ablation-and-sweep.md). Ray: [Clusters](cluster.md).
@@ -55,7 +61,9 @@ def run(
     ```
     """
     from kvflow.config.validate import load_pipeline
+    from kvflow.runtime.progress import plain_log
 
+    plain_log(log)
     code = 0
     with errors("kvflow: interrupted; finished problems are saved, run the same command again to resume"):
         if sweep:

@@ -1,7 +1,8 @@
 """The local executor (`run.executor: local`): a run's problems decoded by this process's
 engines (one `kvflow.runtime.session.Session`), each record appended the moment its problem
 finishes, in any order. A `kvflow.runtime.core.Decode`; progress on stderr: a live bar when
-stderr is a terminal, else one line per finished problem and a heartbeat.
+stderr is a terminal (problems done, accuracy, tokens/s, ETA), else one line per finished
+problem, ending with the same figures, and a heartbeat (kvflow.runtime.progress).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ HEARTBEAT_S = 10.0  # seconds between "in flight" lines when no problem has fini
 
 
 def decode(loaded: LoadedPipeline, registry, store: ResultsDir, todo, quiet: bool) -> None:
-    from kvflow.runtime.progress import Progress
+    from kvflow.runtime.progress import Progress, clock_text
     from kvflow.runtime.session import Session
 
     pipe = loaded.pipeline
@@ -27,29 +28,26 @@ def decode(loaded: LoadedPipeline, registry, store: ResultsDir, todo, quiet: boo
         store.prepare(loaded.resolved, manifest(loaded, registry))
         store.update_manifest(**session.facts())
         with Progress(len(todo), enabled=not quiet) as progress:
-            tally = {"done": 0, "correct": 0}
+            tally = progress.tally  # done, correct, tokens generated, ETA
             heartbeat = {"last": time.time(), "start": time.time()}
 
             def on_done(traj) -> None:
                 record = session.record(traj)
                 append_record(store, record)  # Ctrl-C lands after the line is written, never inside it
-                tally["done"] += 1
-                tally["correct"] += record["correct"]
-                status = f"acc {tally['correct']}/{tally['done']}"
-                progress.update(tally["done"], status)
+                progress.record(record)
                 heartbeat["last"] = time.time()
                 if not quiet and not progress.live:
-                    say(False, f"[{tally['done']}/{len(todo)}] {record['id']}: "
+                    say(False, f"[{tally.done}/{len(todo)}] {record['id']}: "
                                f"{'correct' if record['correct'] else 'wrong'}, {len(traj.steps)} steps, "
-                               f"{traj.committed_tokens} tokens, {record['seconds']:.1f} s; "
-                               f"{status} ({tally['correct'] / tally['done']:.0%})")
+                               f"{traj.committed_tokens} tokens, {record['seconds']:.1f} s; {tally.status()}")
 
             def on_tick(live: int) -> None:  # a sign of life between finished problems (logs, CI)
                 t = time.time()
                 if quiet or progress.live or t - heartbeat["last"] < HEARTBEAT_S:
                     return
                 heartbeat["last"] = t
-                say(False, f"[{tally['done']}/{len(todo)}] {live} in flight, {t - heartbeat['start']:.0f} s")
+                say(False, f"[{tally.done}/{len(todo)}] {live} in flight, {t - heartbeat['start']:.0f} s, "
+                           f"ETA {clock_text(tally.eta())}")
 
             say(quiet, f"decoding {len(todo)} problems ({pipe.run.batch_problems} per decode batch, "
                        f"{session.plan.live_problems or 2 * session.plan.batch_problems} in flight)")

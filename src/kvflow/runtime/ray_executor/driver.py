@@ -9,6 +9,7 @@ import threading
 from typing import Callable, Optional
 
 from kvflow.runtime.core import results_path
+from kvflow.runtime.progress import Progress
 from kvflow.runtime.ray_executor.cluster import RayWorkerError
 from kvflow.runtime.ray_executor.pool import Job, Pool
 
@@ -23,10 +24,12 @@ def decoder(flag: Optional[str]):
     def decode(loaded, registry, store, todo, quiet: bool) -> None:
         say = (lambda m: None) if quiet else _say
         pool = Pool([loaded], flag=flag, say=say)
-        job = pool.submit(Job(loaded.hash, loaded, store, list(todo), quiet=quiet, registry=registry))
         say(f"decoding {len(todo)} problems on Ray workers ({loaded.pipeline.run.batch_problems} per decode batch "
             f"in each)")
-        pool.serve(stop=lambda: job.done.is_set())
+        with Progress(len(todo), enabled=not quiet) as progress:
+            job = pool.submit(Job(loaded.hash, loaded, store, list(todo), quiet=quiet, registry=registry,
+                                  progress=progress))
+            pool.serve(stop=lambda: job.done.is_set())
         if job.error is not None:
             raise job.error
 

@@ -44,6 +44,7 @@ class Job:
     error: Optional[BaseException] = None
     done: threading.Event = field(default_factory=threading.Event)
     registry: Any = None
+    progress: Any = None  # a kvflow.runtime.progress.Progress over its problems (a single run's)
 
     def __post_init__(self) -> None:
         self.queue.extend(self.todo)
@@ -280,11 +281,17 @@ class Pool:
         job.correct += bool(record["correct"])
         self.last_news = time.time()
         n, total = len(job.recorded), len(job.todo)
+        if job.progress is not None:
+            job.progress.record(record)
+            if job.progress.live:
+                return  # the bar shows it
         if not job.quiet or job.label:
             prefix = f"{job.label}: " if job.label else ""
+            figures = job.progress.tally.status() if job.progress is not None else \
+                f"acc {job.correct}/{n} ({job.correct / n:.0%})"
             self.say(f"{prefix}[{n}/{total}] {pid}: {'correct' if record['correct'] else 'wrong'}, "
                      f"{len(record['steps'])} steps, {record['output_tokens']} tokens, {record['seconds']:.1f} s "
-                     f"(worker {w.index}); acc {job.correct}/{n} ({job.correct / n:.0%})")
+                     f"(worker {w.index}); {figures}")
 
     def _closed(self, job: Job, w: _Worker, summary: dict) -> None:
         job.opened_on.discard(w.index)
