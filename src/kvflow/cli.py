@@ -11,6 +11,7 @@
     kvflow schema [--output FILE]
     kvflow explain FILE [--set ...] [--unset ...]
     kvflow cost MODEL... [--budget 512 --buffer 128 --lengths 1k,2k,4k,8k --helper MODEL --png FILE]
+    kvflow doctor [PIPELINE] [--engines hf,sglang] [--gpus NxGB]
 
 The commands themselves are in kvflow.commands, one module per group; this module only builds
 the Typer app, its root options and the order of its commands.
@@ -26,7 +27,7 @@ from __future__ import annotations
 import typer
 
 import kvflow
-from kvflow.commands import calibrate, common, components, cost, models, pipelines, results, run
+from kvflow.commands import calibrate, common, components, cost, doctor, models, pipelines, results, run
 
 app = typer.Typer(
     name="kvflow",
@@ -67,6 +68,7 @@ app.command()(cost.cost)
 app.command()(calibrate.calibrate)
 app.command("calibrate-bits")(calibrate.calibrate_bits)
 app.add_typer(models.models_app, name="models")
+app.command()(doctor.doctor)
 
 
 def main() -> None:
