@@ -340,27 +340,27 @@ class SharedRNG(HFEngine):
         if not hasattr(self, "_rng"):
             self._rng = torch.Generator().manual_seed(0)
         u = torch.rand(len(rows), generator=self._rng)
-        new, logprob, entropy = sample(logits, temperature, top_p, u)
-        return new.cpu(), logprob.cpu(), entropy.cpu()
+        new, logprob, entropy, conf = sample(logits, temperature, top_p, u)
+        return new.cpu(), logprob.cpu(), entropy.cpu(), conf.cpu()
 
 
 class TemperedLogprobs(HFEngine):
     """Reports the log-probabilities of the tempered distribution, not the model's own."""
 
     def _sample_rows(self, logits, rows, temperature, top_p):
-        new, logprob, entropy = super()._sample_rows(logits, rows, temperature, top_p)
+        new, logprob, entropy, conf = super()._sample_rows(logits, rows, temperature, top_p)
         if temperature > 0:
             logprob = torch.log_softmax(logits / temperature, -1).gather(-1, new[:, None]).squeeze(-1)
-        return new, logprob, entropy
+        return new, logprob, entropy, conf
 
 
 class UntemperedEntropy(HFEngine):
     """Reports the entropy of the temperature-1 distribution whatever the temperature."""
 
     def _sample_rows(self, logits, rows, temperature, top_p):
-        new, logprob, entropy = super()._sample_rows(logits, rows, temperature, top_p)
+        new, logprob, entropy, conf = super()._sample_rows(logits, rows, temperature, top_p)
         logp = torch.log_softmax(logits, -1)
-        return new, logprob, -(logp.exp() * logp).sum(-1)
+        return new, logprob, -(logp.exp() * logp).sum(-1), conf
 
 
 class PrunerOverridesStopRule(HFEngine):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from kvflow.components.base import StepTrace
@@ -50,3 +51,60 @@ def test_gzip_flags_loops_and_passes_a_solution_and_noise():
 def test_gzip_waits_for_min_tokens_and_min_chars():
     pruner = GzipPruner(GzipPruner.Params(threshold=0.25, min_tokens=32, min_chars=128, every=1))
     assert pruner.check(trace([LOOP[:100], LOOP], [[0.1] * 64, [0.1] * 8])).tolist() == [False, False]
+
+
+# --------------------------------------------------------------------------- confidence (DeepConf)
+
+
+def conf_trace(confidences):
+    """A StepTrace whose rows carry these token confidences ([rows][tokens], ragged)."""
+    n = max(len(c) for c in confidences)
+    conf = torch.full((len(confidences), n), 99.0)  # past a row's count: stale values the pruner must ignore
+    for i, c in enumerate(confidences):
+        conf[i, : len(c)] = torch.tensor(c)
+    return StepTrace(torch.zeros_like(conf), torch.tensor([len(c) for c in confidences]), [""] * len(confidences),
+                     logprobs=torch.zeros_like(conf), confidences=conf)
+
+
+def deepconf_reference(c, mode, window):
+    """DeepConf's statistics of one step's token confidences, written out in plain Python."""
+    w = min(window, len(c))
+    groups = [sum(c[e - w:e]) / w for e in range(w, len(c) + 1)]  # every window inside the step
+    return {"tail": groups[-1], "lowest_group": min(groups), "mean": sum(c) / len(c)}[mode]
+
+
+def test_confidence_signal_is_deepconfs_statistic_in_every_mode():
+    from kvflow_builtin.pruners.confidence import ConfidencePruner
+
+    gen = random.Random(1)
+    rows = [[gen.uniform(3, 12) for _ in range(n)] for n in (5, 8, 13, 40, 41)]
+    for mode in ("tail", "lowest_group", "mean"):
+        pruner = ConfidencePruner(ConfidencePruner.Params(mode=mode, window=8, min_tokens=1))
+        got = pruner.signal(conf_trace(rows)).tolist()
+        want = [deepconf_reference(c, mode, 8) for c in rows]
+        assert got == pytest.approx(want, abs=1e-5), mode
+    # the three differ on one row whose confidence dips in the middle
+    dip = [10.0] * 16 + [3.0] * 8 + [10.0] * 16
+    values = {m: float(ConfidencePruner(ConfidencePruner.Params(mode=m, window=8, min_tokens=1))
+                       .signal(conf_trace([dip]))[0]) for m in ("tail", "lowest_group", "mean")}
+    assert values == pytest.approx({"tail": 10.0, "lowest_group": 3.0, "mean": 8.6}, abs=1e-5)
+
+
+def test_confidence_flags_a_flat_mode_and_waits_for_min_tokens():
+    from kvflow_builtin.pruners.confidence import ConfidencePruner
+
+    pruner = ConfidencePruner(ConfidencePruner.Params())  # tail of 32 tokens below 5.0, from token 32
+    confident = [8.3, 11.0, 6.0, 9.5] * 16  # a coherent step (Qwen2.5-Coder-0.5B: windows 7.4-11.3)
+    flat = [4.6, 4.1, 5.2, 4.0] * 16  # gibberish-like: flat distributions
+    late = [9.0] * 40 + [4.0] * 32  # turns flat: the newest window crosses the threshold
+    short = [3.0] * 10  # below threshold but still warming up
+    assert pruner.check(conf_trace([confident, flat, late, short])).tolist() == [False, True, True, False]
+    assert torch.isnan(pruner.signal(conf_trace([short]))).all()
+
+
+def test_confidence_refuses_a_trace_without_confidences():
+    from kvflow_builtin.pruners.confidence import ConfidencePruner
+
+    pruner = ConfidencePruner(ConfidencePruner.Params())
+    with pytest.raises(ValueError, match="confidences"):
+        pruner.check(trace([""], [[0.5] * 40]))

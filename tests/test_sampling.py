@@ -28,6 +28,20 @@ def test_nucleus_sampling_equals_full_stable_sort(top_p):
     logits = torch.cat([peaked, flat]).bfloat16().float()  # bf16 logits: many exact ties
     for _ in range(20):
         u = torch.rand(logits.shape[0], generator=g)
-        tokens, logprobs, entropy = decode.sample(logits, 0.7, top_p, u)
+        tokens, logprobs, entropy, confidence = decode.sample(logits, 0.7, top_p, u)
+        # DeepConf's token confidence, on the model's own (temperature-1) distribution
+        top20 = torch.log_softmax(logits, -1).sort(dim=-1, descending=True).values[:, :20]
+        assert torch.allclose(confidence, -top20.mean(-1), atol=1e-5)
         assert torch.equal(tokens, reference(logits, 0.7, top_p, u))
         assert torch.allclose(logprobs, torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1))
+
+
+def test_greedy_confidence_is_the_temperature_1_top20_and_caps_k_at_the_vocabulary():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 3000, generator=g) * 3
+    _, _, _, confidence = decode.sample(logits, 0.0, 1.0, torch.zeros(3))
+    want = -torch.log_softmax(logits, -1).sort(dim=-1, descending=True).values[:, :20].mean(-1)
+    assert torch.allclose(confidence, want, atol=1e-5)
+    small = torch.randn(2, 7, generator=g)  # a vocabulary smaller than k: all of it
+    _, _, _, confidence = decode.sample(small, 0.0, 1.0, torch.zeros(2))
+    assert torch.allclose(confidence, -torch.log_softmax(small, -1).mean(-1), atol=1e-6)

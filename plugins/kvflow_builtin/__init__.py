@@ -18,6 +18,7 @@ _EVICTORS = {
 _PRUNERS = {
     "entropy": "kvflow_builtin.pruners.entropy:EntropyPruner",
     "gzip": "kvflow_builtin.pruners.gzip:GzipPruner",
+    "confidence": "kvflow_builtin.pruners.confidence:ConfidencePruner",
 }
 _SCORERS = {
     "likelihood": "kvflow_builtin.scorers.likelihood:LikelihoodScorer",

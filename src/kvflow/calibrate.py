@@ -9,7 +9,7 @@ written before kvflow's strict JSON hold NaN there, read as None).
 One number per candidate and signal: the extreme value in the direction the pruner flags,
 i.e. the value that decides whether a threshold would have stopped the candidate: the max
 for signals flagged when high (`entropy`), the min for signals flagged when low (`gzip`'s
-compression ratio). The direction comes from the pruner kind (its name without a ``_2``
+compression ratio, `confidence`'s group confidence). The direction comes from the pruner kind (its name without a ``_2``
 suffix); other kinds count as "high" unless told otherwise. Candidates whose trace is all
 nan (they ended before warm-up) are left out. Note that a pruned candidate's trace ends
 where it was stopped, so the current threshold shapes the histogram near it: calibrate from
@@ -40,7 +40,7 @@ from kvflow.errors import UserError
 from kvflow.runtime.results import CONFIG, SAMPLES, read_samples
 
 #: direction a pruner kind flags in: "high" = stop when the signal exceeds the threshold
-DIRECTIONS = {"entropy": "high", "gzip": "low"}
+DIRECTIONS = {"entropy": "high", "gzip": "low", "confidence": "low"}
 #: fewer candidates than this and no threshold is proposed (a histogram of a handful is noise)
 MIN_CANDIDATES = 20
 

@@ -40,6 +40,9 @@ class Candidate:
     the sampled tokens; `entropies` are measured on the sampling distribution (after
     temperature and before top-p; greedy decoding counts as temperature 1), in nats.
 
+    `confidences` are DeepConf's token confidences (`StepTrace.confidences`: minus the mean of
+    the top-`CONFIDENCE_TOP_K` temperature-1 log-probabilities), one per token.
+
     `finish` is `eos` (the last token is EOS, left out of `text`), `delimiter` (the token that
     completed the delimiter is the last one), `max_step_tokens` (the step's cap: the spec's
     `max_step_tokens` or the request's `token_room`, whichever is smaller) or `pruned:<name>`.
@@ -58,6 +61,7 @@ class Candidate:
     finish: str  # delimiter | eos | max_step_tokens | pruned:<pruner>
     score: Optional[float] = None
     signals: dict[str, list[float]] = field(default_factory=dict)  # pruner traces, when recorded
+    confidences: list[float] = field(default_factory=list)  # per token: StepTrace.confidences (engines fill it)
 
     @property
     def n_tokens(self) -> int:
@@ -105,20 +109,40 @@ class ScoreRequest:
     candidate: Candidate
 
 
+#: k of the token confidence every engine computes (DeepConf, Fu et al. 2025, arXiv:2508.15260,
+#: uses k = 20): `StepTrace.confidences` and `Candidate.confidences`
+CONFIDENCE_TOP_K = 20
+
+
 @dataclass
 class StepTrace:
     """What pruners see after every decoded token: the live candidate rows of one proposer.
 
-    entropies: [rows, max_step_tokens] float32, valid up to n_tokens[row]
-    n_tokens:  [rows] int64, tokens generated so far in this step (including the newest)
-    texts:     each row's step so far: its tokens' texts, each decoded on its own, joined (a
-               character split across tokens shows as U+FFFD pieces); engines may pass
-               anything when every pruner has `needs_text = False`
+    entropies:   [rows, max_step_tokens] float32, valid up to n_tokens[row]: entropy (nats)
+                 of the sampling distribution (after temperature, before top-p)
+    n_tokens:    [rows] int64, tokens generated so far in this step (including the newest)
+    texts:       each row's step so far: its tokens' texts, each decoded on its own, joined (a
+                 character split across tokens shows as U+FFFD pieces); engines may pass
+                 anything when every pruner has `needs_text = False`
+    logprobs:    [rows, max_step_tokens] float32, valid up to n_tokens[row]: the sampled
+                 token's log-probability under the model's own distribution (temperature 1,
+                 before top-p), as in `Candidate.logprobs`
+    confidences: [rows, max_step_tokens] float32, valid up to n_tokens[row]: DeepConf's token
+                 confidence C_i = -(1/k) * sum of the k largest temperature-1 log-probabilities
+                 at token i, k = `CONFIDENCE_TOP_K` (20; min(k, vocab) on a smaller vocabulary).
+                 High: a peaked distribution (a confident model); low: a flat one
+
+    Engines fill every field; `logprobs` and `confidences` are None only in traces built by
+    hand (kvflow 0.1 had neither; a pruner that reads them may assume an engine's trace).
+    Both are exact on every built-in engine (`hf` computes them in the sampling pass, SGLang
+    from the top-k log-probabilities it returns), equal within float tolerance.
     """
 
     entropies: "_torch.Tensor"
     n_tokens: "_torch.Tensor"
     texts: Sequence[str]
+    logprobs: Optional["_torch.Tensor"] = None
+    confidences: Optional["_torch.Tensor"] = None
 
 
 # --------------------------------------------------------------------------- evictors
@@ -439,14 +463,21 @@ class Pruner:
         self.params = params
 
     def signal(self, trace: StepTrace) -> "_torch.Tensor":
-        """Current value of the detector's signal per row: [rows] float32 (nan before warm-up).
-        With `run.record_signals` the engine calls it on the same trace as `check()`, and each
-        candidate's `signals[name]` lists the values of the tokens at which it was live."""
+        """Optional. Current value of the detector's signal per row: [rows] float32 (nan
+        before warm-up). With `run.record_signals` the engine calls it on the same trace as
+        `check()`, and each candidate's `signals[name]` lists the values of the tokens at
+        which it was live. A pruner that does not override it still runs with signals
+        recorded: it records nothing (`has_signal`), and the run warns once."""
         raise NotImplementedError
 
     def check(self, trace: StepTrace) -> "_torch.Tensor":
-        """Rows to stop now: [rows] bool."""
+        """Required. Rows to stop now: [rows] bool."""
         raise NotImplementedError
+
+    @classmethod
+    def has_signal(cls) -> bool:
+        """True when the class overrides `signal()` (the one optional method of a pruner)."""
+        return cls.signal is not Pruner.signal
 
 
 # --------------------------------------------------------------------------- scorers

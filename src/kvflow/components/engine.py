@@ -184,7 +184,7 @@ def _warn_no_signal(name: str, pruner: Pruner) -> None:
     import warnings
 
     warnings.warn(f"pruner {name!r} ({cls.__module__}.{cls.__qualname__}) has no signal(): it runs, and "
-                  f"run.record_signals records no {name!r} signal for it (its column stays empty)", stacklevel=3)
+                  f"run.record_signals records no {name!r} signal for it (its column stays empty)", stacklevel=4)
 
 
 @dataclass(frozen=True)

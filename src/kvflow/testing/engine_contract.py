@@ -26,7 +26,8 @@ what a user relies on:
   distribution at the spec's temperature, its logprob is the model's own (temperature 1)
   and its entropy that of the sampling distribution (after temperature, before top-p);
 - candidates: n per request, indexed 0..n-1, `source` the proposer, `text` the tokens
-  decoded (EOS dropped), logprobs and entropies per token and in range, finish reasons valid,
+  decoded (EOS dropped), logprobs, entropies and token confidences per token and in range
+  (confidences exact: DeepConf's, minus the mean top-20 log-probability), finish reasons valid,
   `max_step_tokens` and `token_room` respected, the delimiter ending a step where it
   completes, also when it spans two tokens;
 - sampling is seeded per request and candidate: same seed, same candidates; a request's
@@ -53,7 +54,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvflow.components.base import Pruner, PrunerParams, Step, StepTrace, Trajectory
+from kvflow.components.base import CONFIDENCE_TOP_K, Pruner, PrunerParams, Step, StepTrace, Trajectory
 from kvflow.components.engine import Engine, ProposeRequest, SamplingSpec, StartRequest, SyncRequest
 
 QUESTIONS = ["How many clips did Natalia sell?", "Natalia sold 48 clips in April. How many in May?",
@@ -183,7 +184,8 @@ class EngineContract:
 
     def greedy(self, reference, text, n: int, *, scores: bool = False):
         """Greedy `generate` of n tokens after `text` (a string, or pieces tokenized one by one);
-        with scores=True also each token's logprob and the entropy (nats) of its distribution."""
+        with scores=True also each token's logprob, the entropy (nats) of its distribution and
+        its token confidence (minus the mean of the top-`CONFIDENCE_TOP_K` log-probabilities)."""
         import torch
 
         model, tok = reference
@@ -197,7 +199,9 @@ class EngineContract:
         logp = torch.log_softmax(torch.cat(out.logits).float(), dim=-1)  # [n, vocab]
         chosen = logp.gather(-1, torch.tensor(new)[:, None]).squeeze(-1).tolist()
         entropy = (-(logp.exp() * logp).nan_to_num().sum(-1)).tolist()
-        return new, chosen, entropy
+        k = min(CONFIDENCE_TOP_K, logp.shape[-1])
+        confidence = (-logp.sort(dim=-1, descending=True).values[:, :k].mean(-1)).tolist()
+        return new, chosen, entropy, confidence
 
     def logits(self, reference, context: list[int], tokens: list[int]):
         """The reference model's logits [len(tokens), vocab] (float32) for each of `tokens`
@@ -246,11 +250,13 @@ class EngineContract:
         proposals = run_to_end(engine, [ProposeRequest(s, "base", spec, 0, 100) for s in states])
         for p, prompt in zip(proposals, prompts):
             (c,) = p.candidates
-            ids, logprobs, entropies = self.greedy(reference, prompt, 24, scores=True)
+            ids, logprobs, entropies, confidences = self.greedy(reference, prompt, 24, scores=True)
             assert c.token_ids == self.until_eos(ids, self.eos(reference))
             assert c.logprobs == pytest.approx(logprobs[: c.n_tokens], abs=1e-4)  # the model's own, temperature 1
             # at temperature 0 the entropy is the temperature-1 distribution's (not greedy's point mass)
             assert c.entropies == pytest.approx(entropies[: c.n_tokens], **self.entropy_tolerance(engine))
+            assert c.confidences == pytest.approx(confidences[: c.n_tokens], abs=1e-4), (
+                "token confidences are not minus the mean top-20 temperature-1 log-probability (exact on every engine)")
             assert c.finish == ("eos" if c.token_ids[-1] == self.eos(reference) else "max_step_tokens")
         engine.release(states, proposals)
         assert engine.busy_rows() == 0
@@ -274,6 +280,10 @@ class EngineContract:
             logp = torch.log_softmax(logits, dim=-1)
             probs = torch.softmax(logits / temperature, dim=-1)
             entropy = -(probs * probs.log()).nan_to_num().sum(-1)
+            confidence = -logp.topk(min(CONFIDENCE_TOP_K, logp.shape[-1]), dim=-1).values.mean(-1)  # temperature 1
+            assert c.confidences == pytest.approx(confidence.tolist(), abs=1e-4), (
+                f"candidate {c.index}: token confidences are not those of the model's own distribution (minus "
+                f"the mean top-{CONFIDENCE_TOP_K} temperature-1 log-probability), whatever the temperature and top-p")
             for k, token in enumerate(c.token_ids):
                 before = float(probs[k][probs[k] > probs[k, token]].sum())  # mass of the more probable tokens
                 assert before < top_p + NUCLEUS_SLACK, (

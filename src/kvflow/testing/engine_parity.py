@@ -100,3 +100,107 @@ def assert_same_as_hf(backend: str, evictor: Any, tmp_dir: Path | None = None) -
     finally:
         if hasattr(other, "dump_dir"):
             other.dump_dir = None
+
+
+# --------------------------------------------------------------------------- pruners
+
+
+def _field_probe(field_name: str):
+    """A pruner that flags nothing; its signal is the trace's `field_name` at each row's newest token."""
+    import torch
+
+    from kvflow.components.base import Pruner, PrunerParams
+
+    class _Field(Pruner):
+        Params = PrunerParams
+        needs_text = False
+
+        def __init__(self) -> None:
+            super().__init__(PrunerParams(threshold=0))
+
+        def signal(self, trace):
+            values = getattr(trace, field_name)  # [rows, T]
+            assert values is not None, f"the engine's StepTrace has no {field_name}"
+            return values.float().gather(1, (trace.n_tokens - 1)[:, None].to(values.device))[:, 0].cpu()
+
+        def check(self, trace):
+            return torch.zeros(len(trace.n_tokens), dtype=torch.bool)
+
+    return _Field()
+
+
+PROBES = ("logprobs", "confidences")
+PRUNER_PROMPTS = (QUESTION, "What is 48 / 2 + 24? Explain each step.")
+
+
+def pruned_greedy(engine, name: str, pruner: Any, *, max_step_tokens: int = 48) -> list:
+    """One greedy candidate per prompt of PRUNER_PROMPTS through `pruner` (named `name`) and
+    the field probes (`PROBES`, recorded as `probe:<field>`), signals recorded."""
+    from kvflow.components.engine import ProposeRequest, SamplingSpec, StartRequest
+    from kvflow.registry import get_registry
+    from kvflow.testing.engine_contract import run_to_end
+
+    none = get_registry().get("evictors", "none")
+    pruners = ((name, pruner),) + tuple((f"probe:{f}", _field_probe(f)) for f in PROBES)
+    spec = SamplingSpec(1, 0.0, 1.0, max_step_tokens, NEVER, pruners=pruners, record_signals=True)
+    prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                                     add_generation_prompt=True) for q in PRUNER_PROMPTS]
+    states = engine.start([StartRequest(p, none(none.Params()), 7) for p in prompts])
+    proposals = run_to_end(engine, [ProposeRequest(s, "base", spec, 0, 400) for s in states])
+    engine.release(states, proposals)
+    return [p.candidates[0] for p in proposals]
+
+
+def _close(a: float, b: float, tol: float) -> bool:
+    return (a != a and b != b) or abs(a - b) <= tol  # nan equals nan (before warm-up)
+
+
+def assert_pruner_same_as_hf(backend: str, name: str, make_pruner, tol: float = 1e-4) -> None:
+    """The pruner on `backend` sees and records what it does on `hf` (greedy, the shared tiny
+    model; `make_pruner()` gives a fresh pruner per engine): the trace's log-probabilities and
+    confidences at every live token within `tol`; its own signal within `tol` (on an engine
+    whose entropies are estimates, `exact_entropy = False`, compared with the signal of hf's
+    trace given that engine's entropies); where the signals agree, the same tokens and finish."""
+    import torch
+
+    from kvflow.components.base import StepTrace
+
+    reference, other = load_engine("hf"), load_engine(backend)
+    want = pruned_greedy(reference, name, make_pruner())
+    got = pruned_greedy(other, name, make_pruner())
+    pruner = make_pruner()
+    records = pruner.has_signal() if hasattr(pruner, "has_signal") else True
+    for i, (a, b) in enumerate(zip(want, got)):
+        live = min(len(a.signals["probe:confidences"]), len(b.signals["probe:confidences"]))
+        assert live, f"prompt {i}: no live token recorded"
+        assert b.token_ids[:live] == a.token_ids[:live], f"prompt {i}: greedy tokens differ from hf's"
+        for f in PROBES:
+            x, y = a.signals[f"probe:{f}"][:live], b.signals[f"probe:{f}"][:live]
+            bad = [k for k in range(live) if not _close(x[k], y[k], tol)]
+            assert not bad, (f"prompt {i}: StepTrace.{f} differs from hf's at token {bad[0] + 1}: "
+                             f"{y[bad[0]]} on {backend}, {x[bad[0]]} on hf")
+            for c in (a, b):
+                assert all(_close(u, v, tol) for u, v in zip(getattr(c, f), c.signals[f"probe:{f}"])), (
+                    f"prompt {i}: Candidate.{f} is not what the StepTrace showed")
+        if not records:
+            assert name not in a.signals and name not in b.signals, (
+                f"pruner {name!r} has no signal(), yet a signal was recorded for it")
+            agree = getattr(other, "exact_entropy", True)  # its verdicts may read estimated entropies
+        else:
+            x, y = a.signals[name][:live], b.signals[name][:live]
+            if getattr(other, "exact_entropy", True):
+                expect = x
+            else:  # hf's trace (tokens, texts, logprobs, confidences) with the other engine's entropies
+                pieces = [reference.tokenizer.decode([t]) for t in a.token_ids]
+                expect = [float(pruner.signal(StepTrace(
+                    torch.tensor([b.entropies[: k + 1]]), torch.tensor([k + 1]), ["".join(pieces[: k + 1])],
+                    logprobs=torch.tensor([a.logprobs[: k + 1]]), confidences=torch.tensor([a.confidences[: k + 1]])
+                ))[0]) for k in range(live)]
+            bad = [k for k in range(live) if not _close(expect[k], y[k], tol)]
+            assert not bad, (f"prompt {i}: {name!r}'s signal differs from hf's at token {bad[0] + 1}: {y[bad[0]]} "
+                             f"on {backend}, {expect[bad[0]]} expected")
+            agree = all(_close(u, v, tol) for u, v in zip(x, y))
+        if agree:
+            assert (b.token_ids, b.finish) == (a.token_ids, a.finish), (
+                f"prompt {i}: on {backend} the candidate ended {b.finish!r} after {b.n_tokens} tokens, on hf "
+                f"{a.finish!r} after {a.n_tokens}, with the same signals")

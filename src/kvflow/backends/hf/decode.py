@@ -70,10 +70,11 @@ def _needs_text(spec) -> bool:
 
 
 class _RowTable:
-    """Per candidate row, what it has generated so far: [rows, width] token ids, logprobs and
-    entropies, and [rows] counters. Row ids are reused once their proposal has ended."""
+    """Per candidate row, what it has generated so far: [rows, width] token ids, logprobs,
+    entropies and confidences, and [rows] counters. Row ids are reused once their proposal has ended."""
 
-    FIELDS = ("tokens", "logprobs", "entropies", "count", "cap", "state", "seed", "finish", "pending")
+    FIELDS = ("tokens", "logprobs", "entropies", "confidences", "count", "cap", "state", "seed", "finish", "pending")
+    PER_TOKEN = ("tokens", "logprobs", "entropies", "confidences")
 
     def __init__(self) -> None:
         self.size, self.width = 0, 0
@@ -81,6 +82,7 @@ class _RowTable:
         self.tokens = torch.zeros(0, 0, dtype=torch.long)
         self.logprobs = torch.zeros(0, 0)
         self.entropies = torch.zeros(0, 0)
+        self.confidences = torch.zeros(0, 0)
         for name in ("count", "cap", "state", "seed", "finish", "pending"):
             setattr(self, name, torch.zeros(0, dtype=torch.long))
 
@@ -95,7 +97,7 @@ class _RowTable:
 
     def _grow(self, size: int, width: int) -> None:
         size = max(size, self.size)
-        for name in ("tokens", "logprobs", "entropies"):
+        for name in self.PER_TOKEN:
             old = getattr(self, name)
             new = old.new_zeros(size, width)
             new[: old.shape[0], : old.shape[1]] = old
@@ -232,9 +234,10 @@ class HFEngine:
             logits = self.runner.decode_step(parts, t.pending[rows])  # [L, vocab]
         self.forwards += 1
         self.rows_decoded += len(rows)
-        new, logprob, entropy = self._sample(logits, rows)
+        new, logprob, entropy, conf = self._sample(logits, rows)  # [L] each
         pos = t.count[rows]
         t.tokens[rows, pos], t.logprobs[rows, pos], t.entropies[rows, pos] = new, logprob, entropy
+        t.confidences[rows, pos] = conf
         t.count[rows] = pos + 1
         t.pending[rows] = new
         # stop rules, batched over every live row: EOS, then the delimiter, then the step cap;
@@ -328,16 +331,16 @@ class HFEngine:
         if len(groups) == 1:
             return self._sample_rows(logits, rows, *groups[0][0])
         new = torch.zeros(len(rows), dtype=torch.long)
-        logprob, entropy = torch.zeros(len(rows)), torch.zeros(len(rows))
+        logprob, entropy, conf = torch.zeros(len(rows)), torch.zeros(len(rows)), torch.zeros(len(rows))
         for key, sel in groups:
-            new[sel], logprob[sel], entropy[sel] = self._sample_rows(logits[sel], rows[sel], *key)
-        return new, logprob, entropy
+            new[sel], logprob[sel], entropy[sel], conf[sel] = self._sample_rows(logits[sel], rows[sel], *key)
+        return new, logprob, entropy, conf
 
     def _sample_rows(self, logits, rows, temperature: float, top_p: float):
         t = self.table
         u = uniforms(t.seed[rows], t.count[rows]) if temperature > 0 else torch.zeros(len(rows))
-        new, logprob, entropy = sample(logits, temperature, top_p, u)
-        return new.cpu(), logprob.cpu(), entropy.cpu()
+        new, logprob, entropy, conf = sample(logits, temperature, top_p, u)
+        return new.cpu(), logprob.cpu(), entropy.cpu(), conf.cpu()
 
     def _prune(self, group: list[_Running], rows: torch.Tensor, finish: torch.Tensor) -> torch.Tensor:
         """Run the pruners of one proposer over the rows of its running proposals that are
@@ -355,10 +358,12 @@ class HFEngine:
             texts = [r.texts[j] for r, j in owners]
         else:
             texts = _LazyTexts(self, rows)
-        trace = StepTrace(t.entropies[rows, :width], t.count[rows], texts)
+        trace = StepTrace(t.entropies[rows, :width], t.count[rows], texts,
+                          logprobs=t.logprobs[rows, :width], confidences=t.confidences[rows, :width])
         verdict = finish[live]
+        recorded = {id(p) for _, p in spec.recorded()}
         for k, (name, pruner) in enumerate(spec.pruners):
-            if spec.record_signals:
+            if id(pruner) in recorded:
                 for (r, j), v in zip(owners, pruner.signal(trace).tolist()):
                     r.signals[j].setdefault(name, []).append(v)
             flagged = pruner.check(trace).to(verdict.device) & (verdict == _LIVE)  # the first pruner to flag names it
@@ -370,7 +375,8 @@ class HFEngine:
     def _finish(self, r: _Running) -> Proposal:
         t, spec = self.table, r.request.spec
         counts = t.count[r.rows].tolist()
-        tokens, logprobs, entropies = (x[r.rows].tolist() for x in (t.tokens, t.logprobs, t.entropies))
+        tokens, logprobs, entropies, confs = (x[r.rows].tolist() for x in (t.tokens, t.logprobs, t.entropies,
+                                                                           t.confidences))
         finishes = t.finish[r.rows].tolist()
         cands = []
         for i, (n, code) in enumerate(zip(counts, finishes)):
@@ -379,7 +385,7 @@ class HFEngine:
             cands.append(Candidate(
                 problem=0, source=r.request.proposer, index=i, token_ids=ids,
                 text=self.runner.decode(ids[:-1] if code == _EOS else ids), logprobs=logprobs[i][:n],
-                entropies=entropies[i][:n], finish=finish, signals=r.signals[i]))
+                entropies=entropies[i][:n], finish=finish, signals=r.signals[i], confidences=confs[i][:n]))
         t.release(r.rows)
         return Proposal(r.request, cands, handle=r.held)
 

@@ -1,7 +1,8 @@
 """Sampling on the `hf` backend, as batched tensor ops over a decode step's rows.
 
 - `sample()`: one token per row by inverse CDF from given uniforms (greedy at temperature 0),
-  with the model's logprob and the sampling distribution's entropy;
+  with the model's logprob, the sampling distribution's entropy and the token confidence
+  (DeepConf's, from the model's top-`CONFIDENCE_TOP_K` log-probabilities);
 - `uniforms()`: counter-based random numbers, a pure function of (row seed, token index), so
   a row draws the same numbers alone or in any batch, with no per-row generator on the host;
 - `DelimiterTable`: a per-token automaton that finds the step delimiter across token
@@ -14,6 +15,7 @@ from typing import Sequence
 
 import torch
 
+from kvflow.components.base import CONFIDENCE_TOP_K
 from kvflow.components.engine import delimiter_scan
 
 
@@ -62,8 +64,9 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, uniforms: tor
     """Draw one token per row by inverse CDF with the given uniforms.
 
     logits: [rows, vocab] float32; uniforms: [rows] in [0, 1)
-    returns tokens [rows] int64, logprobs [rows] (model's own, temperature 1), and
-    entropies [rows] of the sampling distribution (after temperature, before top-p), in nats.
+    returns tokens [rows] int64, logprobs [rows] (model's own, temperature 1),
+    entropies [rows] of the sampling distribution (after temperature, before top-p), in nats,
+    and confidences [rows] (`confidence()`, on the model's own temperature-1 distribution).
 
     The inverse CDF runs over the tokens in descending probability, ties in token-id order
     (a stable sort), restricted to the nucleus when top_p < 1. The nucleus is found among the
@@ -79,18 +82,26 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, uniforms: tor
     entropy = -(probs * slogp).nan_to_num().sum(-1)
     tokens = _nucleus_sample(probs, top_p, uniforms.to(probs.device))
     chosen = logp.gather(-1, tokens[:, None]).squeeze(-1)
-    return tokens, chosen, entropy
+    return tokens, chosen, entropy, confidence(logp)
+
+
+def confidence(logp: torch.Tensor, k: int = CONFIDENCE_TOP_K) -> torch.Tensor:
+    """DeepConf's token confidence (Fu et al. 2025, arXiv:2508.15260): [rows] float32 =
+    -mean of the k largest entries of each row of logp [rows, vocab] (log-probabilities;
+    k capped at the vocabulary). One partial selection over the row (`topk`, unsorted)."""
+    k = min(k, logp.shape[-1])
+    return -logp.topk(k, dim=-1, sorted=False).values.float().mean(-1)
 
 
 def _greedy(logits: torch.Tensor):
-    """Greedy decoding's token, logprob and entropy. On a CPU `argmax` and `exp` over a 152k
-    vocabulary are scalar loops (~1.2 ms each for 4 rows, one thread) where the fused
-    softmax kernels and `amax` are vectorized; the token comes from `argmax_first` and the
-    entropy from softmax * log-softmax: about half the time of log-softmax, argmax and exp."""
+    """Greedy decoding's token, logprob, entropy and confidence. On a CPU `argmax` and `exp`
+    over a 152k vocabulary are scalar loops (~1.2 ms each for 4 rows, one thread) where the
+    fused softmax kernels and `amax` are vectorized; the token comes from `argmax_first` and
+    the entropy from softmax * log-softmax: about half the time of log-softmax, argmax and exp."""
     logp = torch.log_softmax(logits, dim=-1)  # [rows, vocab]
     tokens = argmax_first(logits)
     entropy = -(torch.softmax(logits, dim=-1) * logp).nan_to_num_().sum(-1)  # 0 * -inf counts 0
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1), entropy
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1), entropy, confidence(logp)
 
 
 _CHUNK = 128
