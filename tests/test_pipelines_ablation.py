@@ -34,6 +34,7 @@ EXPECTED = {
     "baselines/helper_only.yaml": (["helper"], None, None),
     "ablations/interleave_only.yaml": (["base", "helper"], [], "rkv"),
     "ablations/early_exit_only.yaml": (["base"], ["entropy", "gzip"], "rkv"),
+    "ablations/confidence_detector.yaml": (["base", "helper"], ["confidence", "gzip"], "rkv"),
 }
 
 
@@ -142,10 +143,10 @@ def tiny_sets(path, seed=0):
     return sets
 
 
-def run_tiny(rel, seed=0):
+def run_tiny(rel, seed=0, sets=()):
     path = PIPES / rel
     models = TinyModels()
-    loaded = load_pipeline(path, sets=tiny_sets(path, seed))
+    loaded = load_pipeline(path, sets=tiny_sets(path, seed) + list(sets))
     plan, _ = build_plan(loaded, models)
     tok = tiny_tokenizer()
     trajs = [Trajectory(f"p{i}", q, tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
@@ -169,6 +170,19 @@ def test_interleave_only_never_prunes():
     for t in trajs:
         assert sum(t.pruned.values()) == 0 and not any(s.fallback for s in t.steps)
     assert {s.source for t in trajs for s in t.steps} == {"base", "helper"}
+
+
+def test_confidence_detector_prunes_by_confidence_and_records_its_signal():
+    """The detector ablation swaps entropy for confidence: its base candidates are pruned by
+    `confidence` (a random tiny model's distributions are flat: low confidence), never by
+    `entropy`, and, with signals recorded, each pruned candidate's confidence trace ends
+    below the threshold."""
+    trajs, _, plan = run_tiny("ablations/confidence_detector.yaml", sets=["run.record_signals=true",
+                                                                          "proposers.base.pruners[0].threshold=6.5"])
+    assert [name for name, _ in plan.proposers[0].spec.pruners] == ["confidence", "gzip"]
+    assert sum(t.pruned.get("confidence", 0) for t in trajs) > 0 and not any(t.pruned.get("entropy") for t in trajs)
+    traced = [c for t in trajs for c in t.signals if c["finish"] == "pruned:confidence"]
+    assert traced and all(c["signals"]["confidence"][-1] < 6.5 for c in traced)
 
 
 def test_early_exit_only_never_commits_a_helper_step():
