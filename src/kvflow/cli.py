@@ -4,6 +4,7 @@
     kvflow ls [evictors|pruners|scorers|committers|proposers|backends|pipelines]
     kvflow plugins [--json]
     kvflow run FILE [--set ...] [--unset ...] [--force] [--sweep PATH=V1,V2,... ...]
+    kvflow serve FILE [--set ...] [--unset ...] [--host 127.0.0.1] [--port 8000] [--grace S] [--api-key K] [--record DIR]
     kvflow models pull NAME | kvflow models ls
     kvflow calibrate RESULTS_DIR [--bins 40] [--out DIR] [--no-plots]
     kvflow report DIR... [--out DIR] [--allow-mixed] [--oracle-evicted DIR --oracle-helper DIR --oracle-full DIR]
@@ -27,7 +28,7 @@ from __future__ import annotations
 import typer
 
 import kvflow
-from kvflow.commands import calibrate, common, components, cost, doctor, models, pipelines, results, run
+from kvflow.commands import calibrate, common, components, cost, doctor, models, pipelines, results, run, serve
 
 app = typer.Typer(
     name="kvflow",
@@ -60,6 +61,7 @@ app.command()(pipelines.validate)
 app.command("ls")(components.ls)
 app.command()(components.plugins)
 app.command()(run.run)
+app.command()(serve.serve)
 app.command()(pipelines.schema)
 app.command()(pipelines.explain)
 app.command()(results.report)

@@ -136,6 +136,28 @@ class RunConfig(Frozen):
         "occupy (each distinct model entry 1, SGLang tp_size x dp_size x pp_size), 0 on a cluster without GPUs.")
 
 
+#: request fields a pipeline decides (its proposers' sampling, one answer per request, no tools):
+#: `kvflow serve` refuses a request that sets one (400 naming it) unless `serve.ignore` lists it
+SERVE_IGNORABLE = ("temperature", "top_p", "n", "logprobs", "top_logprobs", "tools", "tool_choice",
+                   "response_format", "presence_penalty", "frequency_penalty", "logit_bias")
+
+
+class ServeConfig(Frozen):
+    """How `kvflow serve` answers requests (docs/serve.md). None of it changes a trajectory."""
+
+    ignore: list[Literal[SERVE_IGNORABLE]] = Field(  # type: ignore[valid-type]
+        default_factory=list,
+        description="Request fields accepted and ignored instead of refused with a 400 (the pipeline decides "
+        "them): e.g. [temperature, top_p] for evaluation harnesses that send `temperature: 0` by default.")
+    queue: int = Field(64, ge=0, description="Requests that may wait for room beyond the problems in flight "
+                       "(run.live_problems); past it a request gets 429 with Retry-After.")
+    retry_after: int = Field(1, ge=1, description="Seconds a 429 or 503 response's Retry-After header asks for.")
+    max_body_bytes: int = Field(1_000_000, ge=1024, description="Largest request body; larger ones get 413.")
+    max_prompt_tokens: Optional[int] = Field(
+        None, ge=1, description="Longest prompt in base-model tokens (chat template applied); unset: the base "
+        "model's context length minus limits.max_tokens. Longer prompts get 400.")
+
+
 class Pipeline(Frozen):
     kvflow: Literal[1] = Field(1, description="Pipeline file format version.")
     name: str = Field(..., pattern=r"^[A-Za-z0-9_.\-]+$")
@@ -147,6 +169,7 @@ class Pipeline(Frozen):
     committer: ComponentRef = Field(default_factory=lambda: ComponentRef(kind="best"))
     limits: LimitsConfig = LimitsConfig()
     run: RunConfig = RunConfig()
+    serve: ServeConfig = Field(default_factory=ServeConfig, description="`kvflow serve` only (docs/serve.md).")
 
     @field_validator("proposers")
     @classmethod

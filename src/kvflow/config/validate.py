@@ -83,7 +83,10 @@ class LoadedPipeline:
 #: names a results directory, so a larger `dataset.limit` (same seeded order) grows the same
 #: run, a different batch size resumes it, and so does another executor (local or Ray workers)
 NOT_HASHED = (("dataset", "limit"), ("run", "batch_problems"), ("run", "live_problems"), ("run", "threads"),
-              ("run", "overlap_engines"), ("run", "output"), ("run", "executor"), ("run", "workers"), ("run", "worker_gpus"))
+              ("run", "overlap_engines"), ("run", "output"), ("run", "executor"), ("run", "workers"), ("run", "worker_gpus"),
+              # how `kvflow serve` answers requests changes no trajectory
+              ("serve", "ignore"), ("serve", "queue"), ("serve", "retry_after"), ("serve", "max_body_bytes"),
+              ("serve", "max_prompt_tokens"))
 
 
 def config_hash(resolved: dict) -> str:

@@ -13,7 +13,14 @@ that engine) rows per forward; up to `live_problems` problems are in flight, so 
 decode batch stays full while some problems score, sync, or wait for another engine.
 
 Results do not depend on scheduling: candidate i of a problem's step s on proposer p samples
-from row_seed(row_seed(seed, problem, p, s), i) whatever else is decoded with it.
+from row_seed(row_seed(seed, problem, p, s), i) whatever else is decoded with it. `problem` is
+the problem's id, or what `run(..., seed_key=)` names for it (a server seeds a request by the
+request's `seed`, several requests may share one, while problem ids stay unique).
+
+Cancellation (`run(..., cancelled=)`): a problem for which `cancelled(traj)` is true when its
+proposals have all ended (a step boundary) is not scored or committed: its states and
+proposals are released in every engine and its scorer state dropped, its `finish` is set to
+"cancelled" (unless already set) and it goes to `on_done` like a finished one.
 
 Engines overlap (`Plan.overlap`, `run.overlap_engines`): when several engines have rows to
 decode, each engine that computes in this process (an `hf` model, on its own device) steps on
@@ -111,13 +118,15 @@ class _Problem:
 
 def run(plan: Plan, trajectories: Iterable[Trajectory], on_done: Callable[[Trajectory], None], *,
         timings: Optional[dict[str, dict]] = None, occupancy: Optional[Occupancy] = None,
-        on_tick: Optional[Callable[[int], None]] = None) -> None:
+        on_tick: Optional[Callable[[int], None]] = None,
+        cancelled: Optional[Callable[[Trajectory], bool]] = None,
+        seed_key: Optional[Callable[[Trajectory], str]] = None) -> None:
     """Decode every trajectory to its end, handing each to `on_done` as it finishes (problems
     finish in any order). `trajectories` is consumed lazily, as room frees up; a source fed
     from elsewhere (a Ray worker's, `kvflow.runtime.ray_executor`) may yield None for "nothing
     ready yet": the problems in flight decode on and it is asked again after the next step.
     `on_tick(live)` is called after every decode step with the number of problems in flight
-    (for progress)."""
+    (for progress). `cancelled` and `seed_key`: see the module docstring."""
     clock = PhaseClock() if timings is not None else NULL_CLOCK
     occupancy = occupancy if occupancy is not None else Occupancy()
     names = {id(e): "+".join(p.name for p in plan.proposers if p.engine is e) for e in plan.engines()}
@@ -126,13 +135,18 @@ def run(plan: Plan, trajectories: Iterable[Trajectory], on_done: Callable[[Traje
         occupancy.bound[names[id(e)]] = plan.row_bound(e)
     overlap = _Overlap(plan, clock, names)
     try:
-        _loop(plan, iter(trajectories), on_done, clock, occupancy, overlap, names, timings, on_tick)
+        _loop(plan, iter(trajectories), on_done, clock, occupancy, overlap, names, timings, on_tick,
+              cancelled, seed_key or _problem_key)
     finally:
         overlap.close()
 
 
+def _problem_key(traj: Trajectory) -> str:
+    return traj.problem_id
+
+
 def _loop(plan: Plan, source, on_done, clock, occupancy: Occupancy, overlap: "_Overlap", names: dict[int, str],
-          timings: Optional[dict], on_tick) -> None:
+          timings: Optional[dict], on_tick, cancelled=None, key=_problem_key) -> None:
     max_live = plan.live_problems or 2 * plan.batch_problems
     live: list[_Problem] = []
     exhausted = False
@@ -148,7 +162,7 @@ def _loop(plan: Plan, source, on_done, clock, occupancy: Occupancy, overlap: "_O
             else:
                 exhausted = True
             if admitted:
-                _start(plan, admitted, clock)
+                _start(plan, admitted, clock, key)
                 live += admitted
         if not live:
             if exhausted:
@@ -171,8 +185,21 @@ def _loop(plan: Plan, source, on_done, clock, occupancy: Occupancy, overlap: "_O
         if on_tick is not None:
             on_tick(len(live))
         ready = [p for p in live if not p.waiting]
+        if cancelled is not None and ready:
+            dropped = [p for p in ready if cancelled(p.traj)]
+            if dropped:
+                _drop(plan, dropped, clock)
+                ready = [p for p in ready if p not in dropped]
+                for p in dropped:
+                    live.remove(p)
+                if timings is not None:
+                    for p in dropped:
+                        timings[p.traj.problem_id] = _timing(clock, p)
+                with clock.phase("record"):
+                    for p in dropped:
+                        on_done(p.traj)
         if ready:
-            done = _advance(plan, ready, clock)
+            done = _advance(plan, ready, clock, key)
             for p in done:
                 live.remove(p)
             if timings is not None:
@@ -267,7 +294,21 @@ class _Overlap:
         self.threads.clear()
 
 
-def _start(plan: Plan, problems: Sequence[_Problem], clock) -> None:
+def _drop(plan: Plan, problems: Sequence[_Problem], clock) -> None:
+    """Cancelled problems at a step boundary: their states and proposals released in every
+    engine, their scorer state dropped."""
+    with clock.phase("sync"):
+        for prop in plan.proposers:
+            prop.engine.release([p.states.pop(prop.name) for p in problems],
+                                [p.proposals.pop(prop.name) for p in problems if prop.name in p.proposals])
+    with clock.phase("score"):
+        plan.scorer.release([p.traj.problem_id for p in problems])
+    for p in problems:
+        if p.traj.finish is None:
+            p.traj.finish = "cancelled"
+
+
+def _start(plan: Plan, problems: Sequence[_Problem], clock, key=_problem_key) -> None:
     for p in problems:
         t = p.traj
         for prop in plan.proposers:
@@ -277,27 +318,27 @@ def _start(plan: Plan, problems: Sequence[_Problem], clock) -> None:
                 t.pruned.setdefault(pname, 0)
     with clock.phase("prefill"):
         for prop in plan.proposers:
-            states = prop.engine.start([StartRequest(p.traj.prompt, prop.evictor, row_seed(plan.seed, p.traj.problem_id, prop.name))
+            states = prop.engine.start([StartRequest(p.traj.prompt, prop.evictor, row_seed(plan.seed, key(p.traj), prop.name))
                                         for p in problems])
             for p, s in zip(problems, states):
                 p.states[prop.name] = s
     with clock.phase("propose"):
-        _submit(plan, problems)
+        _submit(plan, problems, key)
 
 
-def _submit(plan: Plan, problems: Sequence[_Problem]) -> None:
+def _submit(plan: Plan, problems: Sequence[_Problem], key=_problem_key) -> None:
     for prop in plan.proposers:
         requests = []
         for p in problems:
             t = p.traj
-            seed = row_seed(plan.seed, t.problem_id, prop.name, len(t.steps))
+            seed = row_seed(plan.seed, key(t), prop.name, len(t.steps))
             requests.append(ProposeRequest(p.states[prop.name], prop.name, prop.spec, seed,
                                            plan.limits.max_tokens - t.committed_tokens, tag=(p, prop.name)))
             p.waiting.add(prop.name)
         prop.engine.submit(requests)
 
 
-def _advance(plan: Plan, ready: Sequence[_Problem], clock) -> list[_Problem]:
+def _advance(plan: Plan, ready: Sequence[_Problem], clock, key=_problem_key) -> list[_Problem]:
     """Score, commit and sync every ready problem; resubmit the ones that go on. Returns the
     problems that finished."""
     by_problem = []
@@ -345,7 +386,7 @@ def _advance(plan: Plan, ready: Sequence[_Problem], clock) -> list[_Problem]:
         plan.scorer.release([p.traj.problem_id for p in done])
     with clock.phase("propose"):
         if going:
-            _submit(plan, [p for p, _ in going])
+            _submit(plan, [p for p, _ in going], key)
     return done
 
 

@@ -67,23 +67,35 @@ class Session:
 
         return {"threads": torch.get_num_threads(), **compile_.engine_facts(self.plan, self.engines)}
 
-    def trajectory(self, problem):
-        """A problem as the scheduler takes it: its prompt rendered, its clock started (call it
-        when the problem is admitted: sources are consumed lazily)."""
+    def trajectory(self, problem, prompt: Optional[str] = None):
+        """A problem as the scheduler takes it: its prompt rendered (or `prompt`, the exact text
+        for the base model, as a server renders a request), its clock started (call it when the
+        problem is admitted: sources are consumed lazily)."""
         from kvflow.components.base import Trajectory
         from kvflow.eval.prompts import render_prompt
 
         self.problems[problem.id] = problem
         self.started[problem.id] = time.time()
-        return Trajectory(problem.id, problem.question,
-                          render_prompt(self.loaded.pipeline.dataset.prompt, problem.question, self.base.tokenizer))
+        if prompt is None:
+            prompt = render_prompt(self.loaded.pipeline.dataset.prompt, problem.question, self.base.tokenizer)
+        return Trajectory(problem.id, problem.question, prompt)
 
-    def decode(self, source: Iterable, on_done: Callable, on_tick: Optional[Callable[[int], None]] = None) -> None:
+    def decode(self, source: Iterable, on_done: Callable, on_tick: Optional[Callable[[int], None]] = None,
+               cancelled: Optional[Callable] = None, seed_key: Optional[Callable] = None) -> None:
         """Decode every trajectory `source` yields (None: nothing ready yet) to its end, handing
-        each to `on_done` as it finishes (kvflow.runtime.scheduler.run)."""
+        each to `on_done` as it finishes (kvflow.runtime.scheduler.run; `cancelled` and
+        `seed_key` as there: a server's cancelled requests and request seeds)."""
         from kvflow.runtime.scheduler import run
 
-        run(self.plan, source, on_done, timings=self.timings, occupancy=self.occupancy, on_tick=on_tick)
+        run(self.plan, source, on_done, timings=self.timings, occupancy=self.occupancy, on_tick=on_tick,
+            cancelled=cancelled, seed_key=seed_key)
+
+    def forget(self, traj) -> None:
+        """Drop what `trajectory` kept of a problem that will not be recorded (a served request
+        without --record, or a cancelled one)."""
+        self.problems.pop(traj.problem_id, None)
+        self.started.pop(traj.problem_id, None)
+        self.timings.pop(traj.problem_id, None)
 
     def record(self, traj) -> dict:
         """A finished trajectory's samples.jsonl record: its answer extracted and graded

@@ -1,0 +1,242 @@
+"""The OpenAI wire format of `kvflow serve`: request validation and response shapes.
+
+`parse_chat` and `parse_completion` turn a decoded JSON body into a `Request` or raise
+`ApiError` (an HTTP status and an OpenAI-style error body naming the field). What a request
+may ask for:
+
+- honoured: `model` (must be the pipeline's name, else 404), `messages` (chat; rendered with
+  the base model's chat template) or `prompt` (completions; one string, used as is),
+  `max_tokens` / `max_completion_tokens` (at most the pipeline's `limits.max_tokens`; the
+  answer ends at the first step boundary at or past it, its last step cut to the limit),
+  `seed` (the identity the request's rows are seeded by: a request with `seed: S` decodes as
+  a `kvflow run` problem whose id is `S`, same pipeline), `stop` (up to 4 strings; the answer
+  is cut before the first one and ends there), `stream`, `stream_options.include_usage`,
+  `user`;
+- decided by the pipeline (`SERVE_IGNORABLE`: `temperature`, `top_p`, `n` > 1, `logprobs`,
+  tools, `response_format`, penalties, `logit_bias`): refused with a 400 naming the field,
+  unless the pipeline's `serve.ignore` lists it (then accepted and ignored);
+- anything else: 400 (an unknown field is refused rather than silently dropped).
+
+The response helpers build `chat.completion` / `text_completion` objects and their stream
+chunks; every chunk of a committed step carries kvflow's own facts in an extension field
+`kvflow` (step index, source proposer, score, candidates, pruned by pruner), and the usage
+object adds `tokens_by_proposer`. The official `openai` SDK keeps unknown fields, so
+`chunk.kvflow` / `chunk.model_extra["kvflow"]` reads them.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from kvflow.config.schema import SERVE_IGNORABLE
+
+MAX_STOP = 4
+ROLES = ("system", "developer", "user", "assistant")
+
+
+class ApiError(Exception):
+    """An HTTP error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                 headers: Optional[dict] = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                413: "invalid_request_error", 429: "rate_limit_error"}.get(self.status, "server_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class Request:
+    """A validated request, before it is rendered to a prompt."""
+
+    kind: str  # "chat" | "completion"
+    model: str
+    max_tokens: int
+    stream: bool = False
+    include_usage: bool = False
+    seed: Optional[int] = None
+    stop: list[str] = field(default_factory=list)
+    messages: Optional[list[dict]] = None  # chat
+    prompt: Optional[str] = None  # completion
+
+
+# fields each endpoint honours (besides the ignorable ones)
+_CHAT = {"model", "messages", "max_tokens", "max_completion_tokens", "seed", "stop", "stream", "stream_options",
+         "user", "n"}
+_COMPLETION = {"model", "prompt", "max_tokens", "seed", "stop", "stream", "stream_options", "user", "n", "echo",
+               "best_of", "suffix"}
+
+
+def _refuse_fixed(body: dict, ignore: frozenset) -> None:
+    for name in SERVE_IGNORABLE:
+        if name not in body or name in ignore:
+            continue
+        value = body[name]
+        if value is None or (name == "n" and value == 1) or (name in ("logprobs",) and value is False):
+            continue  # the OpenAI default spelled out asks for nothing
+        raise ApiError(400, f"`{name}` is decided by the pipeline (its proposers' sampling, one answer per request, "
+                            f"no tools) and cannot be set per request; leave it out, or list it in the pipeline's "
+                            f"`serve.ignore` to have it accepted and ignored", param=name, code="unsupported_field")
+
+
+def _common(body: Any, allowed: set, ignore: frozenset, served_model: str, max_tokens_limit: int, kind: str) -> Request:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    unknown = sorted(k for k in body if k not in allowed and k not in SERVE_IGNORABLE)
+    if unknown:
+        raise ApiError(400, f"unknown field `{unknown[0]}` (kvflow serve refuses what it would not honour)",
+                       param=unknown[0], code="unknown_field")
+    _refuse_fixed(body, ignore)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise ApiError(400, "`model` is required: the pipeline's name (GET /v1/models)", param="model")
+    if model != served_model:
+        raise ApiError(404, f"the model `{model}` does not exist: this server serves `{served_model}`",
+                       param="model", code="model_not_found")
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise ApiError(400, "`stream` must be true or false", param="stream")
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not isinstance(options, dict) or set(options) - {"include_usage"}:
+            raise ApiError(400, "`stream_options` may only hold `include_usage`", param="stream_options")
+        include_usage = bool(options.get("include_usage", False))
+    limit_name = "max_tokens"
+    value = body.get("max_tokens")
+    if kind == "chat" and body.get("max_completion_tokens") is not None:
+        limit_name, value = "max_completion_tokens", body["max_completion_tokens"]
+    if value is None:
+        value = max_tokens_limit
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ApiError(400, f"`{limit_name}` must be a positive integer", param=limit_name)
+    if value > max_tokens_limit:
+        raise ApiError(400, f"`{limit_name}` = {value} is past this pipeline's limit, limits.max_tokens = "
+                            f"{max_tokens_limit}", param=limit_name)
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ApiError(400, "`seed` must be an integer", param="seed")
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP:
+        raise ApiError(400, f"`stop` must be a non-empty string or a list of at most {MAX_STOP} of them", param="stop")
+    return Request(kind=kind, model=model, max_tokens=value, stream=stream, include_usage=include_usage, seed=seed,
+                   stop=list(stop))
+
+
+def parse_chat(body: Any, *, ignore: frozenset, served_model: str, max_tokens_limit: int) -> Request:
+    """A `POST /v1/chat/completions` body, validated (see the module docstring)."""
+    req = _common(body, _CHAT, ignore, served_model, max_tokens_limit, "chat")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "`messages` must be a non-empty list of {role, content}", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise ApiError(400, f"{where}: a message is an object whose `role` is one of {', '.join(ROLES)}",
+                           param=where)
+        extra = set(m) - {"role", "content", "name"}
+        if extra:
+            raise ApiError(400, f"{where}: unsupported key `{sorted(extra)[0]}` (no tools here)", param=where)
+        content = m.get("content")
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise ApiError(400, f"{where}.content: only text parts are supported", param=f"{where}.content")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise ApiError(400, f"{where}.content must be a string", param=f"{where}.content")
+        out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
+    req.messages = out
+    return req
+
+
+def parse_completion(body: Any, *, ignore: frozenset, served_model: str, max_tokens_limit: int) -> Request:
+    """A `POST /v1/completions` body, validated (see the module docstring)."""
+    req = _common(body, _COMPLETION, ignore, served_model, max_tokens_limit, "completion")
+    for name, default in (("echo", False), ("best_of", 1), ("suffix", None)):
+        if body.get(name) not in (None, default):
+            raise ApiError(400, f"`{name}` is not supported by kvflow serve", param=name, code="unsupported_field")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise ApiError(400, "`prompt` must be one non-empty string (token-id prompts and batches are not "
+                            "supported: send one request per prompt)", param="prompt")
+    req.prompt = prompt
+    return req
+
+
+# --------------------------------------------------------------------------- responses
+
+
+def step_facts(index: int, step, traj) -> dict:
+    """kvflow's extension field of a committed step's chunk."""
+    score = step.score if step.score is None or math.isfinite(step.score) else None
+    return {"step": index, "source": step.source, "score": score, "n_tokens": step.n_tokens,
+            **({"fallback": True} if step.fallback else {}),
+            "candidates": dict(traj.candidates), "pruned": dict(traj.pruned)}
+
+
+def usage(prompt_tokens: int, completion_tokens: int, traj) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "tokens_by_proposer": dict(traj.tokens_generated) if traj is not None else {}}
+
+
+def chunk(req: Request, rid: str, created: int, text: Optional[str], *, facts: Optional[dict] = None,
+          finish_reason: Optional[str] = None, usage_: Optional[dict] = None, first: bool = False,
+          choices: bool = True) -> dict:
+    """One stream chunk (`chat.completion.chunk` or `text_completion`)."""
+    if req.kind == "chat":
+        delta: dict = {}
+        if first:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+        out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model}
+    else:
+        choice = {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
+        out = {"id": rid, "object": "text_completion", "created": created, "model": req.model}
+    out["choices"] = [choice] if choices else []
+    if usage_ is not None:
+        out["usage"] = usage_
+    if facts is not None:
+        out["kvflow"] = facts
+    return out
+
+
+def response(req: Request, rid: str, created: int, text: str, finish_reason: str, usage_: dict,
+             facts: dict) -> dict:
+    """A whole (non-streamed) answer, kvflow's facts of every step once under `kvflow`."""
+    if req.kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason,
+                  "logprobs": None}
+        kind = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+        kind = "text_completion"
+    return {"id": rid, "object": kind, "created": created, "model": req.model, "choices": [choice],
+            "usage": usage_, "kvflow": facts}
+
+
+def models_list(name: str, created: int) -> dict:
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "kvflow"}]}
+
+
+def now() -> int:
+    return int(time.time())
