@@ -118,3 +118,20 @@ def test_calibrate_errors(tmp_path, cli):
     with pytest.raises(UserError, match="record_signals"):
         calibrate(run)
     assert cli("calibrate", tmp_path / "nowhere").exit_code == 2
+
+
+def test_confidence_is_calibrated_from_its_lowest_value():
+    """`confidence` flags when low (DeepConf's group confidence): each candidate counts with its
+    minimum, and the valley between coherent (~9) and flat (~4.5) candidates is proposed."""
+    rng = random.Random(3)
+    signals = []
+    for k in range(60):
+        flat = k % 4 == 0
+        low = rng.gauss(4.5 if flat else 9.0, 0.4)
+        trace = [math.nan] * 31 + [low + 2.0 * (1 - i / 20) for i in range(21)]  # falls to its minimum
+        signals.append({"finish": "pruned:confidence" if flat else "delimiter", "signals": {"confidence": trace}})
+    (report,) = analyse([{"signals": signals}])
+    assert report.direction == "low"
+    assert sorted(report.values)[:3] == sorted(min(v for v in s["signals"]["confidence"] if v == v)
+                                               for s in signals)[:3]
+    assert 5.5 < report.threshold < 8.0 and report.flagged_fraction == pytest.approx(0.25)
