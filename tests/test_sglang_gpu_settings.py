@@ -136,7 +136,7 @@ def test_settings_no_engine_can_run_under_are_refused_before_loading(tmp_path, c
     ({"kv_cache_dtype": "fp8_e5m2"}, "kv_cache_dtype"),
     ({"enable_dp_attention": True}, "enable_dp_attention"),
     ({"attention_backend": "trtllm_mha"}, "attention_backend"),
-    ({"decode_attention_backend": "triton"}, "decode_attention_backend"),
+    ({"decode_attention_backend": "trtllm_mha"}, "decode_attention_backend"),
 ])
 def test_settings_an_evicted_proposer_cannot_run_under_are_refused_before_loading(tmp_path, cli, engine, field):
     require_sglang()
@@ -225,3 +225,34 @@ def test_a_users_decode_graph_settings_keep_kvflows_prefill_off(shared_tiny_qwen
     assert ours == {"decode": {"max_bs": 64}, "prefill": {"backend": "disabled"}}
     assert refusal({"cuda_graph_config": {"decode": {"max_bs": 64}}}, evicting=True) is None
     assert refusal({"cuda_graph_config": {"prefill": {"backend": "full"}}}, evicting=True)[0] == "engine.cuda_graph_config"
+
+
+def test_separate_prefill_and_decode_backends_reach_kvflows_hook():
+    """SGLang 0.5.23's HybridAttnBackend (separate prefill and decode backends) delegates
+    `forward` to the chosen child's `forward`, and none of the backends kvflow serves overrides
+    `forward`: the hooked `AttentionBackend.forward` runs for every layer, so an evicting engine
+    may split them (each one a backend kvflow reads; refused only otherwise)."""
+    import ast
+    import inspect
+    from pathlib import Path
+
+    require_sglang()
+    from sglang.srt.layers.attention import hybrid_attn_backend
+
+    from kvflow.backends.sglang.settings import EVICTING_ATTENTION, refusal
+
+    source = inspect.getsource(hybrid_attn_backend.HybridAttnBackend.forward)
+    assert "backend.forward(" in source and "_select_backend" in source
+    files = {"torch_native": "torch_native_backend.py", "triton": "triton_backend.py",
+             "flashinfer": "flashinfer_backend.py", "fa3": "flashattention_backend.py"}
+    assert set(files) == set(EVICTING_ATTENTION)
+    folder = Path(hybrid_attn_backend.__file__).parent
+    for name, file in files.items():
+        tree = ast.parse((folder / file).read_text())
+        backends = [c for c in tree.body if isinstance(c, ast.ClassDef)
+                    and any(getattr(b, "id", None) == "AttentionBackend" for b in c.bases)]
+        assert backends, name
+        for cls in backends:
+            assert not any(isinstance(f, ast.FunctionDef) and f.name == "forward" for f in cls.body), (name, cls.name)
+    assert refusal({"prefill_attention_backend": "flashinfer", "decode_attention_backend": "triton"}, True) is None
+    assert refusal({"decode_attention_backend": "trtllm_mha"}, True)[0] == "engine.decode_attention_backend"

@@ -8,7 +8,11 @@
 - `evict.py`    evicted requests inside SGLang's scheduler (kvflow's evictors per request,
                 layer and KV head), registered by the plugin;
 - `settings.py` the engine arguments: defaults per device, a model entry's `engine:`
-                settings checked against SGLang's own server arguments.
+                settings checked against SGLang's own server arguments;
+- `loading.py`  an engine for a model entry: its decode profile, one worker per
+                (arguments, profile), the resolved settings checked;
+- `graph.py`    the decode hook's profile, tables and in-graph step (`traffic.py` counts
+                its bytes per step on meta tensors; `replay.py` the CPU proxy for graph replay).
 
 Install: `scripts/install.sh sglang` (docs/backends.md).
 """
@@ -17,7 +21,9 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-SUPPORTED_VERSIONS = ("0.5.23",)
+from kvflow.backends.sglang.settings import SUPPORTED_VERSIONS  # noqa: E402 - settings imports nothing heavy
+
+__all__ = ["SGLangBackend", "SUPPORTED_VERSIONS"]
 
 
 class SGLangBackend:
@@ -54,6 +60,6 @@ class SGLangBackend:
         them): the (class, params) of the evictors it serves, from which its decode hook is
         specialised (`graph.Profile`: query ring, H2O statistic, hole recompute, span);
         docs/backends.md, "Running on GPUs"."""
-        from kvflow.backends.sglang.settings import load_engine
+        from kvflow.backends.sglang.loading import load_engine
 
         return load_engine(model_cfg, evicting, evictors)
