@@ -9,6 +9,11 @@ problem found, so one run of `kvflow validate` reports them all at once::
 
 A `PluginError` is a broken plugin under `--strict-plugins` (or a registry conflict); the
 CLI exits with code 4.
+
+Any other exception is a crash, and `kvflow.faults.crash_report` says whose: a plugin's
+component that raised, or returned what its method may not, is named with its plugin's
+distribution and version and the method (exit code 5); anything else is kvflow's own internal
+error (exit code 1). Either way the traceback goes to a file.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from typing import Iterable, Optional, Sequence, Union
 #: exit codes of the CLI
 EXIT_USER_ERROR = 2
 EXIT_PLUGIN_ERROR = 4
+EXIT_PLUGIN_FAULT = 5  # a plugin's component failed at run time (kvflow.faults)
+EXIT_INTERNAL_ERROR = 1
 EXIT_INTERRUPTED = 130
 
 

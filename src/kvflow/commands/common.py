@@ -14,6 +14,7 @@ import click
 import typer
 
 from kvflow.errors import EXIT_INTERRUPTED, EXIT_PLUGIN_ERROR, EXIT_USER_ERROR, KvflowError, PluginError, UserError
+from kvflow.faults import crash_report
 
 state = {"strict": False}
 
@@ -42,15 +43,11 @@ def errors(interrupted: str = "kvflow: interrupted") -> Iterator[None]:
         raise typer.Exit(EXIT_INTERRUPTED) from None
     except (typer.Exit, typer.Abort, SystemExit, click.ClickException):
         raise
-    except Exception as e:  # a bug, or an input no check caught: a message, and the traceback on disk
-        path = save_traceback(e)
-        err(f"kvflow: internal error: {type(e).__name__}: {e}")
-        err(f"kvflow: the traceback is in {path}; please include it in a bug report" if path else
-             "kvflow: (the traceback could not be saved)")
-        raise typer.Exit(EXIT_INTERNAL_ERROR) from None
-
-
-EXIT_INTERNAL_ERROR = 1
+    except Exception as e:  # a plugin's fault (exit 5), else a bug of kvflow's (exit 1); the traceback on disk
+        lines, code = crash_report(e, save_traceback(e))
+        for line in lines:
+            err(line)
+        raise typer.Exit(code) from None
 
 
 def save_traceback(exc: BaseException) -> Optional[Path]:

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvflow._lazy import torch
 from kvflow.components.selection import adaptive_keep, keep_top
+from kvflow.faults import guard
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch as _torch
@@ -238,6 +239,10 @@ class Evictor:
 
     def __init__(self, params: EvictorParams) -> None:
         self.params = params
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        guard(cls, "Evictor")  # a wrong return value raises kvflow.faults.ComponentFault, naming the component
 
     @property
     def query_window(self) -> int:
@@ -462,6 +467,10 @@ class Pruner:
     def __init__(self, params: PrunerParams) -> None:
         self.params = params
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        guard(cls, "Pruner")  # a wrong return value raises kvflow.faults.ComponentFault, naming the component
+
     def signal(self, trace: StepTrace) -> "_torch.Tensor":
         """Optional. Current value of the detector's signal per row: [rows] float32 (nan
         before warm-up). With `run.record_signals` the engine calls it on the same trace as
@@ -514,6 +523,10 @@ class Scorer:
         self.params = params
         self.context = context
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        guard(cls, "Scorer")  # a wrong return value raises kvflow.faults.ComponentFault, naming the component
+
     @classmethod
     def models_needed(cls, params: ScorerParams) -> list[str]:
         """Keys of `models` this scorer loads (checked at compile time)."""
@@ -544,6 +557,10 @@ class Committer:
     def __init__(self, params: CommitterParams, proposers: Sequence[str]) -> None:
         self.params = params
         self.proposers = list(proposers)  # pipeline order: the first is the base
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        guard(cls, "Committer")  # a wrong return value raises kvflow.faults.ComponentFault, naming the component
 
     def pick(self, candidates: Sequence[Candidate]) -> int:
         """Index into `candidates` (all of one problem, scored, in proposer order)."""
