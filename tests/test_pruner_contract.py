@@ -1,6 +1,6 @@
 """Every registered pruner (built-in or installed plugin, DESIGN.md §10) passes kvflow's pruner
-contract, and so do two written the way a plugin author would: one that reads the trace's
-confidence fields, and one without the optional `signal()`."""
+contract, and so do two written the way a plugin author would: docs/plugins.md's detector,
+which reads the trace's confidence fields, and one without the optional `signal()`."""
 
 from __future__ import annotations
 
@@ -29,31 +29,20 @@ class TestRegisteredPruners(PrunerContract):
 # --------------------------------------------------------------------------- written as a plugin would
 
 
-class LowConfidenceShare(Pruner):
-    """Stops a candidate once most of its newest tokens were written with low confidence."""
+def docs_detector() -> type:
+    """The detector docs/plugins.md shows ("What a detector reads"), run from the page itself."""
+    import re
+    import sys
+    import types
 
-    class Params(PrunerParams):
-        window: int = Field(16, ge=1, description="Newest tokens looked at.")
-        threshold: float = Field(5.0, description="DeepConf token confidence below which a token counts as low.")
-        min_tokens: int = Field(16, ge=1, description="No check before this many tokens.")
+    from conftest import REPO
 
-    signal_name = "low_confidence_share"
-    needs_text = False
-
-    def signal(self, trace):
-        """Share of the newest `window` tokens with a confidence (`trace.confidences`) below
-        `threshold` whose sampled token was a surprise (`trace.logprobs` below -1 nat): [rows]."""
-        import torch
-
-        n, w = trace.n_tokens, self.params.window  # [rows]
-        cols = torch.arange(trace.confidences.shape[1])[None, :]  # [1, T]
-        recent = (cols < n[:, None]) & (cols >= (n - w)[:, None])  # [rows, T]
-        low = (trace.confidences < self.params.threshold) & (trace.logprobs < -1.0) & recent
-        share = low.sum(-1) / recent.sum(-1).clamp(min=1)
-        return share.float().masked_fill(n < self.params.min_tokens, float("nan"))
-
-    def check(self, trace):
-        return self.signal(trace) > 0.5  # nan compares False
+    text = (REPO / "docs" / "plugins.md").read_text(encoding="utf-8")
+    (code,) = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "class LowConfidencePruner" in b]
+    module = types.ModuleType("plugins_md_detector", "docs/plugins.md's confidence detector example.")
+    sys.modules[module.__name__] = module
+    exec(compile(code, "docs/plugins.md", "exec"), module.__dict__)
+    return module.LowConfidencePruner
 
 
 class CheckOnly(Pruner):
@@ -76,11 +65,15 @@ class CheckOnly(Pruner):
         return (mean > self.params.threshold) & (n >= self.params.min_tokens)
 
 
-class TestConfidenceFieldsPlugin(PrunerContract):
+class TestDocsConfidenceDetector(PrunerContract):
+    """The detector of docs/plugins.md, which reads `trace.confidences` and `trace.logprobs`,
+    passes the contract on both engines."""
+
     @pytest.fixture(scope="class")
     @classmethod
     def pruner_factory(cls):
-        return lambda **params: LowConfidenceShare(LowConfidenceShare.Params(**params))
+        pruner_cls = docs_detector()
+        return lambda **params: pruner_cls(pruner_cls.Params(**params))
 
 
 class TestPrunerWithoutSignal(PrunerContract):
