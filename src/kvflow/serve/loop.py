@@ -13,8 +13,10 @@ A request's answer may end before its trajectory does: at a `stop` string, at it
 `max_tokens`, when its client goes away, or when the grace period of a shutdown is over. The
 trajectory is then cancelled (the scheduler's `cancelled=`): at its next step boundary its
 rows are released in every engine and its scorer state dropped, so engines return to idle.
-A request's rows are seeded by its `seed` (`seed_key=`), so its committed steps do not
-depend on what else is served beside it.
+A request's rows are seeded by its `seed` (`seed_key=`: a request with `seed: i` is seeded as
+`kvflow run` seeds the problem whose id is `<dataset.name>/<i>`, the i-th line of a
+`dataset.path` file without an id field), so its committed steps do not depend on what else is
+served beside it, and equal that run's for the same prompt.
 
 Faults: an exception out of the scheduler is blamed on the innermost pipeline component in
 its traceback (an evictor, a pruner, the scorer, the committer: named as in the pipeline
@@ -45,7 +47,7 @@ class Job:
                  question: str) -> None:
         self.rid = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         self.req, self.prompt, self.prompt_tokens, self.question = req, prompt, prompt_tokens, question
-        self.seed_key = str(req.seed) if req.seed is not None else self.rid
+        self.seed_key = self.rid  # a request without a seed: its own rows (see Loop.submit)
         self.aloop = aloop
         self.events: asyncio.Queue = asyncio.Queue()
         self.traj = None
@@ -100,6 +102,8 @@ class Loop:
             if len(self.queue) + len(self.jobs) >= self.capacity:
                 raise ApiError(429, f"{len(self.jobs)} requests in flight and {len(self.queue)} waiting: the queue "
                                     f"is full; retry later", code="queue_full")
+            if job.req.seed is not None:  # seeded as `kvflow run` seeds the problem `<dataset.name>/<seed>`
+                job.seed_key = f"{self.session.loaded.pipeline.dataset.name}/{job.req.seed}"
             self.queue.append(job)
             self.cv.notify_all()
 
@@ -196,7 +200,7 @@ class Loop:
             self._end(job, "length" if traj.finish in ("cap_steps", "cap_tokens") else "stop")
         if job.finish_reason in ("stop", "length") and traj.finish in (None, "cancelled"):
             traj.finish = "stop_sequence" if job.finish_reason == "stop" else "max_tokens"
-        self.metrics.finished(traj.tokens_generated, traj.pruned)
+        self.metrics.finished(traj.tokens_generated, traj.pruned, cancelled=job.gone)
         if self.record is not None and job.finish_reason in ("stop", "length"):  # answered in full
             record = self.session.record(traj)
             record["request_id"] = job.rid

@@ -3,6 +3,7 @@
 (tokens, steps, pruned candidates, latencies). Thread-safe; no dependency.
 
     kvflow_requests_total{endpoint, status}            counter
+    kvflow_requests_cancelled_total                     counter (clients gone before the end)
     kvflow_requests_in_flight / kvflow_requests_queued  gauges (admitted / waiting for room)
     kvflow_tokens_generated_total{proposer}             counter (every candidate's tokens)
     kvflow_committed_steps_total{source}                counter
@@ -54,6 +55,7 @@ class Metrics:
         self.pruned: dict[str, int] = defaultdict(int)
         self.first_step = Histogram()
         self.latency = Histogram()
+        self.cancelled = 0
         self.gauges: Callable[[], dict] = lambda: {}
 
     def request(self, endpoint: str, status: int) -> None:
@@ -64,8 +66,9 @@ class Metrics:
         with self.lock:
             self.steps[source] += 1
 
-    def finished(self, tokens: dict, pruned: dict) -> None:
+    def finished(self, tokens: dict, pruned: dict, cancelled: bool = False) -> None:
         with self.lock:
+            self.cancelled += int(cancelled)
             for k, v in tokens.items():
                 self.tokens[k] += v
             for k, v in pruned.items():
@@ -90,6 +93,8 @@ class Metrics:
             family("kvflow_requests_total", "counter", "HTTP requests answered, by endpoint and status.")
             for (endpoint, status), n in sorted(self.requests.items()):
                 out.append(f"kvflow_requests_total{_labels(endpoint=endpoint, status=str(status))} {n}")
+            family("kvflow_requests_cancelled_total", "counter", "Requests whose client went away before the end.")
+            out.append(f"kvflow_requests_cancelled_total {self.cancelled}")
             family("kvflow_requests_in_flight", "gauge", "Requests decoding on the step scheduler.")
             out.append(f"kvflow_requests_in_flight {g.get('in_flight', 0)}")
             family("kvflow_requests_queued", "gauge", "Requests waiting for room.")

@@ -8,8 +8,9 @@ may ask for:
   the base model's chat template) or `prompt` (completions; one string, used as is),
   `max_tokens` / `max_completion_tokens` (at most the pipeline's `limits.max_tokens`; the
   answer ends at the first step boundary at or past it, its last step cut to the limit),
-  `seed` (the identity the request's rows are seeded by: a request with `seed: S` decodes as
-  a `kvflow run` problem whose id is `S`, same pipeline), `stop` (up to 4 strings; the answer
+  `seed` (the identity the request's rows are seeded by: a request with `seed: i` decodes as
+  the `kvflow run` problem whose id is `<dataset.name>/<i>` of the same pipeline, the i-th
+  line of a `dataset.path` file without an id field), `stop` (up to 4 strings; the answer
   is cut before the first one and ends there), `stream`, `stream_options.include_usage`,
   `user`;
 - decided by the pipeline (`SERVE_IGNORABLE`: `temperature`, `top_p`, `n` > 1, `logprobs`,
