@@ -51,6 +51,9 @@ What is checked, for bounded evictors (for `bounded = False` ones only what appl
   same greedy steps, log-probabilities and kept keys per (layer, KV head) as on `hf`
   (`kvflow.testing.engine_parity`; skipped where the backend is not installed);
 - the checks of `kvflow.testing.component_contract` (frozen, described Params; docstrings).
+
+The decoding it runs (greedy, traced, every `select()` recorded) and the comparison of a
+batched row with the same row alone are in `kvflow.testing.evictor_decode`.
 """
 
 from __future__ import annotations
@@ -62,11 +65,8 @@ import pytest
 
 from kvflow.components.base import EvictorParams
 from kvflow.testing.component_contract import ComponentContract
-
-#: prompts (token ids) of different lengths: rows reach budget + buffer at different steps
-PROMPTS = [list(range(5, 12)), list(range(20, 35)), list(range(40, 44))]
-ROW_SEEDS = [11, 22, 33]
-
+from kvflow.testing.evictor_decode import (ARGMAX_TIE, PROMPTS, ROW_SEEDS, decode, recorded_decode,  # noqa: F401
+                                           same_until_explained, shapes)
 
 @functools.lru_cache(maxsize=None)
 def _runner(arch: str, dtype: str):
@@ -79,198 +79,6 @@ def _runner(arch: str, dtype: str):
 def contract_runner() -> Callable[[str, str], Any]:
     """contract_runner(arch="qwen2", dtype="float32") -> a cached tiny `HFRunner`."""
     return lambda arch="qwen2", dtype="float32": _runner(arch, dtype)
-
-
-def decode(runner, evictor, prompts, steps: int, seeds=None, trace: list | None = None):
-    """Greedy decoding of `steps` tokens for every prompt in one batch.
-
-    Returns (tokens [rows][steps], cache). With `trace`, appends one (lengths before the
-    forward, lengths after, compactions after) tuple per forward, prefill included."""
-    import torch
-
-    cache = runner.new_cache(evictor, len(prompts), seeds if seeds is not None else ROW_SEEDS[: len(prompts)])
-    pending = runner.prefill(cache, prompts)
-    tokens: list[list[int]] = [[] for _ in prompts]
-    for _ in range(steps):
-        before = cache.rows.lengths.clone()
-        logits = runner.forward(cache, pending[:, None])
-        assert torch.isfinite(logits).all(), "non-finite logits"
-        if trace is not None:
-            trace.append((before, cache.rows.lengths.clone(), cache.rows.compactions.clone()))
-        pending = logits.argmax(-1).cpu()
-        for r, t in enumerate(pending.tolist()):
-            tokens[r].append(t)
-    return tokens, cache
-
-
-def _shapes(arch: str) -> tuple[int, int, int]:
-    """(q_heads, kv_heads, head_dim) of the tiny model of `arch`."""
-    from kvflow.testing.models import ARCHITECTURES
-
-    _, extra = ARCHITECTURES[arch]
-    hidden = extra.get("hidden_size", 64)
-    return extra["num_attention_heads"], extra["num_key_value_heads"], hidden // extra["num_attention_heads"]
-
-
-#: an argmax whose two best logits are closer than this may flip with the forward's batch noise
-ARGMAX_TIE = 1e-4
-
-
-class _Recorded:
-    """A decode run with what its evictor saw: tokens [rows][steps], the top-2 logit gap per
-    (step, row), and every compaction as (step, cache rows, [one select record per layer])."""
-
-    def __init__(self) -> None:
-        self.tokens: list[list[int]] = []
-        self.gaps: list[list[float]] = []
-        self.compactions: list[tuple[int, list[int], list[dict]]] = []
-        self.cache = None
-
-
-def _recorded_decode(runner, evictor, prompts, steps: int, seeds) -> _Recorded:
-    """`decode()` (greedy), recording every compaction's `select()` inputs and outputs."""
-    import torch
-
-    run = _Recorded()
-    step = [-1]  # -1: the prefill
-    calls: list[dict] = []
-    base = type(evictor)
-
-    class Recording(base):  # the same evictor, its select() calls recorded
-        def select(self, keys, values, queries, **kw):
-            gens = kw.get("generators") or []
-            record = {"keys": keys.clone(), "values": values.clone(),
-                      "queries": queries.clone() if queries is not None else None,
-                      "gen_states": [g.get_state() for g in gens],
-                      **{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in kw.items() if k != "generators"}}
-            keep = super().select(keys, values, queries, **kw)
-            record["keep"] = keep.clone()
-            calls.append(record)
-            return keep
-
-    Recording.__name__ = Recording.__qualname__ = base.__name__
-    ev = Recording.__new__(Recording)
-    ev.__dict__.update(evictor.__dict__)
-    cache = runner.new_cache(ev, len(prompts), seeds)
-    compact = cache.compact
-
-    def recorded_compact(rows):
-        calls.clear()
-        compact(rows)
-        run.compactions.append((step[0], rows.tolist(), list(calls)))
-
-    cache.compact = recorded_compact
-    pending = runner.prefill(cache, prompts)
-    run.tokens = [[] for _ in prompts]
-    for step[0] in range(steps):
-        logits = runner.forward(cache, pending[:, None])
-        assert torch.isfinite(logits).all(), "non-finite logits"
-        top = logits.topk(2, dim=-1).values
-        run.gaps.append((top[:, 0] - top[:, 1]).tolist())
-        pending = logits.argmax(-1).cpu()
-        for r, t in enumerate(pending.tolist()):
-            run.tokens[r].append(t)
-    run.cache = cache
-    return run
-
-
-def _row_record(record: dict, i: int) -> dict:
-    """Row i of a recorded select() call, as a one-row call."""
-    out = {}
-    for k, v in record.items():
-        if k == "gen_states":
-            out[k] = v[i : i + 1]
-        elif hasattr(v, "shape") and v.dim() >= 1:
-            out[k] = v[i : i + 1]
-        else:
-            out[k] = v
-    return out
-
-
-def _scores_of(evictor, rec: dict):
-    """The evictor's ranked scores for a recorded one-row select() call, and each slot's validity."""
-    import torch
-
-    gens = []
-    for state in rec["gen_states"]:
-        g = torch.Generator()
-        g.set_state(state)
-        gens.append(g)
-    scores = evictor.ranked_scores(rec["keys"], rec["values"], rec["queries"], layer_idx=rec["layer_idx"],
-                                   lengths=rec["lengths"], n_protected=rec["n_protected"], generators=gens,
-                                   stats=rec.get("stats"), head_lengths=rec.get("head_lengths"))
-    n = scores.shape[-1]
-    heads = rec.get("head_lengths")
-    length = (heads if heads is not None else rec["lengths"][:, None])[..., None]  # [1, H or 1, 1]
-    slot = torch.arange(n)[None, None, :]
-    valid = (slot < length) & (slot < length - evictor.params.window) & (slot >= rec["n_protected"][:, None, None])
-    return scores[0], valid[0].expand_as(scores[0])
-
-
-def _explained(evictor, alone: dict, batched: dict) -> tuple[bool, str]:
-    """Whether two one-row selections that kept different slots differ only by a swap the
-    difference of their inputs explains (see `test_batched_equals_alone`)."""
-    import torch
-
-    sa, valid = _scores_of(evictor, alone)
-    sb, _ = _scores_of(evictor, batched)
-    if not torch.allclose(sa, _scores_of(evictor, alone)[0], rtol=0, atol=0, equal_nan=True):
-        return False, ("the evictor's scores are not a function of its inputs and generators (two calls on the same "
-                       "tensors and generator states differ): draw random numbers from `generators[row]` only")
-    diff = torch.where(sa == sb, torch.zeros_like(sa), (sa - sb).abs()).nan_to_num(nan=float("inf"))
-    delta = float(diff[valid].max()) if valid.any() else 0.0
-
-    def kept(rec):
-        keep = rec["keep"][0]
-        return {(h, int(j)) for h in range(keep.shape[0]) for j in keep[h].tolist() if j >= 0}
-
-    only_a, only_b = kept(alone) - kept(batched), kept(batched) - kept(alone)
-    if not only_a or not only_b or delta == 0.0:
-        return False, (f"kept {sorted(only_a)} alone and {sorted(only_b)} batched from inputs whose scores differ by "
-                       f"{delta:.2e}: nothing but the batch explains it")
-    gap = max(float(sa[h, j]) for h, j in only_a) - min(float(sa[h, j]) for h, j in only_b)
-    if gap <= 2 * delta:
-        return True, ""
-    return False, (f"kept {sorted(only_a)} alone and {sorted(only_b)} batched, but the alone run ranks the former "
-                   f"{gap:.2e} above the latter, more than twice the scores' difference between the runs "
-                   f"(δ = {delta:.2e}): the batch changed the selection, not the forward's noise")
-
-
-def _same_until_explained(evictor, r: int, batch: _Recorded, alone: _Recorded) -> bool:
-    """Walk row r's tokens and compactions in order, batched vs alone. Returns True if they
-    all agree, False at the first difference the forward's batch noise explains (a near-tie
-    of the argmax or of the evictor's ranking); fails on any other difference."""
-    import torch
-
-    events_a = [(step, calls) for step, _, calls in alone.compactions]
-    events_b = [(step, calls, rows.index(r)) for step, rows, calls in batch.compactions if r in rows]
-    assert [e[0] for e in events_a] == [e[0] for e in events_b], (
-        f"row {r}: compactions after tokens {[e[0] for e in events_b]} batched but {[e[0] for e in events_a]} alone "
-        "(-1: the prefill)")
-    events = iter(zip(events_a, events_b))
-    pending = next(events, None)
-    for step in range(-1, len(alone.tokens[0])):
-        if step >= 0 and alone.tokens[0][step] != batch.tokens[r][step]:
-            if alone.gaps[step][0] <= ARGMAX_TIE:
-                return False  # a near-tied argmax flipped
-            raise AssertionError(f"row {r}: batched decoding differs from the row alone at token {step}, and no "
-                                 f"near-tie explains it (top-2 logit gap {alone.gaps[step][0]:.2e})")
-        while pending is not None and pending[0][0] == step:
-            (_, calls_a), (_, calls_b, pos) = pending
-            for rec_a, rec_b_all in zip(calls_a, calls_b):
-                rec_b = _row_record(rec_b_all, pos)
-                layer = rec_a["layer_idx"]
-                for k in ("lengths", "n_protected", "head_lengths"):
-                    a, b = rec_a.get(k), rec_b.get(k)
-                    assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), (
-                        f"row {r}, compaction after token {step}, layer {layer}: {k} differ batched and alone")
-                if torch.equal(rec_a["keep"], rec_b["keep"]):
-                    continue
-                ok, why = _explained(evictor, rec_a, rec_b)
-                assert ok, f"row {r}, compaction after token {step}, layer {layer}: {why}"
-                return False
-            pending = next(events, None)
-    return True
 
 
 def _evicting_backends() -> list[str]:
@@ -377,7 +185,7 @@ class EvictorContract(ComponentContract):
 
         ev = self.make(evictor_factory)
         self._needs_bounded(ev)
-        q_heads, kv_heads, d = _shapes(arch)
+        q_heads, kv_heads, d = shapes(arch)
         n, budget = ev.trigger, ev.params.budget
         g = torch.Generator().manual_seed(1)
         k, v = torch.randn(1, kv_heads, 1, d, generator=g), torch.randn(1, kv_heads, 1, d, generator=g)
@@ -421,7 +229,7 @@ class EvictorContract(ComponentContract):
 
         ev = self.make(evictor_factory)
         self._needs_bounded(ev)
-        q_heads, kv_heads, d = _shapes(arch)
+        q_heads, kv_heads, d = shapes(arch)
         budget, n = ev.params.budget, ev.trigger
         lengths = torch.tensor([n, n - 3, budget + 1, n])
         rows = len(lengths)
@@ -456,7 +264,7 @@ class EvictorContract(ComponentContract):
 
         ev = self.make(evictor_factory, protect_prompt=protect)
         self._needs_bounded(ev)
-        q_heads, kv_heads, d = _shapes(arch)
+        q_heads, kv_heads, d = shapes(arch)
         budget, window, n = ev.params.budget, ev.params.window, ev.trigger
         lengths = torch.tensor([n, n - 2, budget + 1, n])
         rows = len(lengths)
@@ -584,12 +392,12 @@ class EvictorContract(ComponentContract):
 
         runner = _runner("llama", "float32")
         ev = self.make(evictor_factory)
-        batch = _recorded_decode(runner, ev, PROMPTS, self.contract_steps, ROW_SEEDS)
+        batch = recorded_decode(runner, ev, PROMPTS, self.contract_steps, ROW_SEEDS)
         if ev.bounded:
             assert len(set(batch.cache.rows.compactions.tolist())) > 1
         for r, prompt in enumerate(PROMPTS):
-            alone = _recorded_decode(runner, ev, [prompt], self.contract_steps, [ROW_SEEDS[r]])
-            if not _same_until_explained(ev, r, batch, alone):
+            alone = recorded_decode(runner, ev, [prompt], self.contract_steps, [ROW_SEEDS[r]])
+            if not same_until_explained(ev, r, batch, alone):
                 continue  # a near-tie the forward's noise flipped: the rest may differ
             n = int(alone.cache.rows.lengths[0])
             assert int(batch.cache.rows.lengths[r]) == n
