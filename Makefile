@@ -1,7 +1,7 @@
 # The two set-up commands of the README.
 VENV ?= .venv
 
-.PHONY: demo test install
+.PHONY: demo test test-fast install
 
 # Install kvflow (CPU torch when there is no GPU) and run the quickstart pipeline.
 demo:
@@ -20,6 +20,12 @@ test:
 	$(VENV)/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps \
 		$(addprefix -e ,$(EXAMPLE_PLUGINS))
 	$(VENV)/bin/python -m pytest
+
+# The quick tier, for work in progress (in the environment `make test` installed): every module
+# at unit level, without the tests that start SGLang engines, a Ray cluster, a browser or runs
+# on real checkpoints, or build the docs (tests/conftest.py says which: the `slow` marker).
+test-fast:
+	$(VENV)/bin/python -m pytest -m "not slow"
 
 install:
 	bash scripts/install.sh

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -162,6 +163,46 @@ def pytest_configure(config):
     # would (captured once per batch size, replayed after: kvflow.backends.sglang.replay), so
     # that hooks a GPU's decode graphs would skip fail here (tests/test_sglang_replay.py)
     os.environ.setdefault("KVFLOW_SGLANG_REPLAY_PROXY", "1")
+    config.addinivalue_line("markers", "slow: left out of the quick tier, `make test-fast` (see SLOW_FILES)")
+
+
+# --------------------------------------------------------------------------- two tiers
+# `make test` runs everything; `make test-fast` (`pytest -m "not slow"`) leaves out what starts
+# an SGLang engine, a Ray cluster, a browser or a `kvflow run` subprocess on a real checkpoint,
+# or builds the docs: the tests that make the full suite take many minutes. What stays covers
+# every module at unit level, hf engines on tiny random models in-process included. A test is
+# slow if its file is in SLOW_FILES (suites of engine or end-to-end runs), it uses a fixture of
+# SLOW_FIXTURES, its function is in SLOW_TESTS (measured: seconds each, or an engine start), its
+# id is an SGLang engine axis (`[rkv-sglang]`) or names mkdocs, or it is an `e2e` test.
+SLOW_FILES = {
+    "test_deterministic.py", "test_e2e.py", "test_placement_pools.py", "test_scheduler_runs.py",
+    "test_sglang.py", "test_sglang_data_parallel.py", "test_sglang_evicted.py", "test_sglang_gpu_settings.py",
+    "test_sglang_scoring.py", "test_tutorials.py", "test_view_browser.py",
+}
+SLOW_FIXTURES = {"sglang_engine", "ray_cluster", "shared_tiny_qwen"}
+SLOW_TESTS = {
+    "test_every_catalog_checkpoint_greedy_decodes_the_same_on_hf_and_sglang",
+    "test_the_general_hook_costs_what_the_specialised_one_saves",
+    "test_an_own_observer_under_gpu_decode_graphs_is_refused_at_validation",
+    "test_the_decode_step_replayed_on_new_tables_equals_it_run_eagerly",
+    "test_the_proxy_replays_a_hooks_python_decisions_as_they_were_at_capture",  # 15 s
+    "test_calibrate_bits_end_to_end",  # 22 s, a subprocess (the quick tier: test_cli's refusal)
+    "test_sigkill_at_random_moments_resumes_exactly", "test_sigint_stops_cleanly_with_exit_130_and_resumes",
+}
+_SLOW_ID = re.compile(r"[\[-]sglang[\]-]|mkdocs")
+
+
+def _slow(item) -> bool:
+    name = getattr(item, "originalname", None) or item.name.split("[")[0]
+    return (Path(str(item.fspath)).name in SLOW_FILES or name in SLOW_TESTS
+            or bool(SLOW_FIXTURES & set(getattr(item, "fixturenames", ())))
+            or bool(_SLOW_ID.search(item.nodeid)) or item.get_closest_marker("e2e") is not None)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _slow(item):
+            item.add_marker(pytest.mark.slow)
 
 
 def require_ray() -> None:
