@@ -441,8 +441,14 @@ class Evictor:
 
 
 class PrunerParams(Params):
-    window: int = Field(32, ge=1)
-    threshold: float
+    """Base of pruner parameters. Every detector has a `threshold` (no default here: each
+    detector's signal has its own scale), a `window` and `min_tokens`; a subclass redefines a
+    field to give it its own default and a description in the detector's terms."""
+
+    window: int = Field(32, ge=1, description="Newest tokens (or text units) the detector's signal is computed "
+                                              "over; a detector that needs no window ignores it.")
+    threshold: float = Field(description="Value of the detector's signal at which a candidate is stopped "
+                                         "(above or below it, as the detector says); required.")
     min_tokens: int = Field(32, ge=0, description="No check before a candidate has this many tokens.")
 
 
