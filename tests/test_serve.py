@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from conftest import make_dist
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -41,10 +42,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: a third party's scorer: the likelihood scorer, except that it raises on a prompt saying BOOM
+BOOM_PLUGIN = {
+    "boomplug": """
+        from kvflow.hookspecs import hookimpl
+        from kvflow_builtin.scorers.likelihood import LikelihoodScorer
+
+
+        class BoomScorer(LikelihoodScorer):
+            def score(self, requests):
+                if any("BOOM" in r.trajectory.prompt for r in requests):
+                    raise RuntimeError("the scorer does not like BOOM")
+                return super().score(requests)
+
+
+        @hookimpl
+        def register_scorers(register):
+            register("boom_likelihood", "boomplug:BoomScorer")
+    """,
+}
+
+
 def tiny_serving_pipeline(directory: Path, **serve) -> Path:
     from kvflow.testing.pipelines import tiny_pipeline
 
-    return tiny_pipeline(directory, problems=2, max_tokens=MAX_TOKENS, extra={
+    return tiny_pipeline(directory, problems=2, max_tokens=MAX_TOKENS, scorer={"kind": "boom_likelihood"}, extra={
         "limits": {"max_steps": 10},
         "run": {"threads": 1, "batch_problems": 4, "live_problems": 4},
         "serve": {"queue": 8, "max_body_bytes": 4096, "max_prompt_tokens": 300, **serve},
@@ -52,8 +74,8 @@ def tiny_serving_pipeline(directory: Path, **serve) -> Path:
 
 
 class Server:
-    def __init__(self, proc: subprocess.Popen, port: int, pipeline: Path, record: Path, log: Path) -> None:
-        self.proc, self.port, self.pipeline, self.record, self.log = proc, port, pipeline, record, log
+    def __init__(self, proc: subprocess.Popen, port: int, pipeline: Path, record: Path, log: Path, env: dict) -> None:
+        self.proc, self.port, self.pipeline, self.record, self.log, self.env = proc, port, pipeline, record, log, env
         self.url = f"http://127.0.0.1:{port}"
         self.headers = {"Authorization": f"Bearer {KEY}"}
 
@@ -90,10 +112,12 @@ def start_server(directory: Path, *args: str, env: dict | None = None) -> Server
     port = free_port()
     record = directory / "served"
     log = directory / "serve.log"
+    plugins = make_dist(directory / "plugins", "boomplug", {"boomplug": "boomplug"}, BOOM_PLUGIN)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(plugins), os.environ.get("PYTHONPATH")])),
+           **(env or {})}
     proc = subprocess.Popen([*KVFLOW, "serve", str(pipeline), "--port", str(port), "--record", str(record), *args],
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                            env={**os.environ, "KVFLOW_API_KEY": KEY, **(env or {})})
-    server = Server(proc, port, pipeline, record, log)
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, env={**env, "KVFLOW_API_KEY": KEY})
+    server = Server(proc, port, pipeline, record, log, env)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -115,6 +139,19 @@ def server(tmp_path_factory):
     if srv.proc.poll() is None:
         srv.proc.kill()
         srv.proc.wait(30)
+
+
+def wait_record(server: Server, request_id: str, timeout: float = 30) -> dict:
+    """The request's record (appended once its trajectory is released, maybe a step after its answer)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        path = server.record / "samples.jsonl"
+        served = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        found = [r for r in served if r["request_id"] == request_id]
+        if found or time.monotonic() > deadline:
+            assert len(found) == 1, f"no record of {request_id}"
+            return found[0]
+        time.sleep(0.1)
 
 
 def question_messages(i: int) -> list[dict]:
@@ -179,13 +216,12 @@ def test_served_request_equals_kvflow_run(server, tmp_path):
     through the server: the same committed steps (text, source, tokens; scores within float noise)."""
     out = tmp_path / "run"
     done = subprocess.run([*KVFLOW, "run", str(server.pipeline), "--set", f"run.output={out}",
-                           "--set", "dataset.limit=1"], capture_output=True, text=True, timeout=600)
+                           "--set", "dataset.limit=1"], capture_output=True, text=True, timeout=600, env=server.env)
     assert done.returncode == 0, done.stderr
     (ran,) = [json.loads(line) for line in next(out.glob("*/samples.jsonl")).read_text().splitlines()]
     assert ran["id"] == "tiny/0"
     reply = server.client().chat.completions.create(model="tiny", messages=question_messages(0), seed=0)
-    served = [json.loads(line) for line in (server.record / "samples.jsonl").read_text().splitlines()]
-    (rec,) = [r for r in served if r["request_id"] == reply.id]
+    rec = wait_record(server, reply.id)
     assert rec["prompt"] == ran["prompt"]
     assert [(s["text"], s["source"], s["n_tokens"]) for s in rec["steps"]] == \
            [(s["text"], s["source"], s["n_tokens"]) for s in ran["steps"]]
@@ -285,7 +321,7 @@ def test_api_key(server):
 
 
 def test_another_host_needs_an_api_key(server):
-    env = {k: v for k, v in os.environ.items() if k != "KVFLOW_API_KEY"}
+    env = {k: v for k, v in server.env.items() if k != "KVFLOW_API_KEY"}
     done = subprocess.run([*KVFLOW, "serve", str(server.pipeline), "--host", "0.0.0.0", "--port", str(free_port())],
                           capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 2 and "needs an API key" in done.stderr, done.stderr
@@ -297,6 +333,24 @@ def test_bad_pipeline_exits_2(tmp_path):
     done = subprocess.run([*KVFLOW, "serve", str(bad)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     assert "serve.queue" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_component_fault_fails_its_request_alone(server):
+    """The scorer raises on one request's problem: that request gets a 500 naming the scorer,
+    the requests decoding beside it are answered, and the server goes on."""
+    def ask(content: str):
+        return server.post("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": content}],
+                                                    "max_tokens": 60, "seed": 1})
+
+    with ThreadPoolExecutor(3) as pool:
+        replies = list(pool.map(ask, ["fine one", "BOOM", "fine two"]))
+    assert [r.status_code for r in replies] == [200, 500, 200], [r.text for r in replies]
+    error = replies[1].json()["error"]
+    assert error["message"].startswith("scorer failed: RuntimeError: the scorer does not like BOOM")
+    assert error["code"] == "component_error"
+    health = server.wait_idle()
+    assert health["status"] == "ok" and health["rows"] == {"base": 0, "helper": 0}, health
+    assert ask("fine again").status_code == 200
 
 
 # --------------------------------------------------------------------------- cancellation, records, shutdown
@@ -327,7 +381,7 @@ def test_records_read_by_kvflow_report(server, tmp_path):
     assert records and all(r["id"] == r["request_id"] and "timing" in r and r["served"]["finish_reason"]
                            for r in records)
     done = subprocess.run([*KVFLOW, "report", str(server.record), "--out", str(tmp_path / "report")],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env=server.env)
     assert done.returncode == 0, done.stderr
 
 

@@ -18,8 +18,10 @@ A request's rows are seeded by its `seed` (`seed_key=`: a request with `seed: i`
 `dataset.path` file without an id field), so its committed steps do not depend on what else is
 served beside it, and equal that run's for the same prompt.
 
-Faults: an exception out of the scheduler is blamed on the innermost pipeline component in
-its traceback (an evictor, a pruner, the scorer, the committer: named as in the pipeline
+Faults: the scorer's batched call, when it raises, is made again problem by problem, and a
+request whose own problem makes it raise fails alone (500 naming the scorer; its trajectory
+is cancelled, the others go on). Any other exception out of the scheduler is blamed on the
+innermost pipeline component in its traceback (an evictor, a pruner, the scorer, the committer: named as in the pipeline
 file). A component's fault fails the requests in flight with a 500 naming it, the engines
 are reset (`Engine.reset()`) and serving goes on. An engine's fault (or one no component can
 be blamed for) marks the server dead: every request in flight and queued ends with 503,
@@ -86,6 +88,8 @@ class Loop:
         self.dead: Optional[str] = None
         self.faults = 0
         self.names = _component_names(plan)
+        plan.scorer = _GuardedScorer(plan.scorer, self._scorer_fault)  # a scorer's fault fails its request alone
+        self.names[id(plan.scorer)] = ("scorer", False)
         self.thread = threading.Thread(target=self._run, name="kvflow-serve-engines", daemon=True)
 
     # ------------------------------------------------------------------ the asyncio side
@@ -254,6 +258,11 @@ class Loop:
             job.finish_reason = "error"
             job.push(("error", status, message, code))
 
+    def _scorer_fault(self, problem_id: str, exc: BaseException) -> None:
+        job = self.jobs.get(problem_id)
+        if job is not None:
+            self._fail(job, 500, f"scorer failed: {type(exc).__name__}: {exc}", "component_error")
+
     def _check_deadline(self) -> None:
         """(cv held) Past a shutdown's grace period: every request still going ends with 503."""
         if self.deadline is None or time.monotonic() < self.deadline:
@@ -300,6 +309,36 @@ class Loop:
             if owner is not None and id(owner) in self.names:
                 return self.names[id(owner)]
         return "the step scheduler", True
+
+
+class _GuardedScorer:
+    """The plan's scorer, whose batched `score` (requests of several problems) that raises is
+    called again problem by problem: a problem whose own call raises is reported to `on_fault`
+    (its request fails with a 500, its trajectory is cancelled at the step boundary) and its
+    candidates get NaN (no score); the other problems' scores stand."""
+
+    def __init__(self, inner, on_fault: Callable[[str, BaseException], None]) -> None:
+        self.inner, self.on_fault = inner, on_fault
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def score(self, requests):
+        try:
+            return self.inner.score(requests)
+        except Exception:  # noqa: BLE001 - found out below, problem by problem
+            pass
+        groups: dict[str, list[int]] = {}
+        for i, r in enumerate(requests):
+            groups.setdefault(r.trajectory.problem_id, []).append(i)
+        out = [float("nan")] * len(requests)
+        for pid, idx in groups.items():
+            try:
+                for i, v in zip(idx, self.inner.score([requests[i] for i in idx])):
+                    out[i] = v
+            except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
+                self.on_fault(pid, exc)
+        return out
 
 
 def _component_names(plan) -> dict[int, tuple[str, bool]]:
