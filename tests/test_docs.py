@@ -265,6 +265,7 @@ ANCHORS = {
     "LimitsConfig": "limits",
     "RunConfig": "run",
     "BaselinesConfig": "baselines",
+    "ServeConfig": "serve",
 }
 
 #: Descriptions of fields whose pydantic `Field` carries none (better: give them one in schema.py).
