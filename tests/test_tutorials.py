@@ -2,8 +2,9 @@
 order, in a sandbox holding a copy of ./pipelines (so a block can write a pipeline that a
 later command uses) and a link to ./plugins:
 
-- a block that only includes files (pymdownx.snippets: `--8<-- "path"` or `"path:section"`)
-  shows the real file, so it cannot drift: the file and section must exist; included Python
+- a block that only includes files (pymdownx.snippets: `--8<-- "path"` or `"path:section"`),
+  or an inline copy of one (after `<!-- docs-inline: path[:section] -->`, kept equal to the
+  file by scripts/docs_inline.py and tests/test_docs_reference.py), shows the real file: the file and section must exist; included Python
   is compiled, pipelines validated, TOML parsed (the files' behaviour is tested elsewhere:
   the example plugins' own tests, tests/test_example_plugins.py, tests/test_config.py);
 - python: executed in a fresh namespace in the sandbox;
@@ -45,6 +46,7 @@ CHEAP = {("validate",), ("explain",), ("ls",), ("plugins",), ("schema",), ("cost
 SNIPPET = re.compile(r'^--8<--\s+"([^":]+)(?::([\w-]+))?"\s*$')
 FENCE = re.compile(r"^(```+)\s*([\w+-]*)")
 TAG = re.compile(r"^<!--\s*test:\s*(.*?)\s*-->$")
+INLINE = re.compile(r"^<!-- docs-inline: ([^\s:]+)(?::([\w-]+))? -->$")
 
 
 @dataclass
@@ -53,6 +55,7 @@ class Block:
     lang: str
     text: str
     tag: str  # "" when untagged
+    inline: tuple = ()  # (file, section) of an inline copy of a repository file
 
 
 def blocks(path: Path) -> list[Block]:
@@ -65,7 +68,9 @@ def blocks(path: Path) -> list[Block]:
         prev = next((lines[j].strip() for j in range(i - 1, -1, -1) if lines[j].strip()), "")
         tag = TAG.match(prev)
         end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith(m.group(1)))
-        out.append(Block(i + 1, m.group(2).lower(), "\n".join(lines[i + 1:end]) + "\n", tag.group(1) if tag else ""))
+        copy = INLINE.match(prev)
+        out.append(Block(i + 1, m.group(2).lower(), "\n".join(lines[i + 1:end]) + "\n", tag.group(1) if tag else "",
+                         (REPO / copy.group(1), copy.group(2) or "") if copy else ()))
         i = end + 1
     return out
 
@@ -275,7 +280,7 @@ def test_every_code_block_runs_or_validates(page, sandbox):
     problems = []
     for block in blocks(page):
         try:
-            files = included(block.text)
+            files = included(block.text) or ([block.inline] if block.inline else [])
             if files:
                 check_included(block, files, registry)
             elif block.tag.startswith("tree "):

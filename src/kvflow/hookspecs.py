@@ -1,4 +1,4 @@
-"""Plugin hook specifications (DESIGN.md §4).
+"""Plugin hook specifications.
 
 A plugin is a module (or object) named by an entry point in the group ``kvflow``, with
 functions decorated by ``kvflow.hookimpl`` and named after the hooks below. Each hook is

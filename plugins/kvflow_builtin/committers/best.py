@@ -1,4 +1,4 @@
-"""`best`: commit the highest-scored candidate (KV-Rescue, DESIGN.md §6).
+"""`best`: commit the highest-scored candidate (KV-Rescue's committer).
 
 Ties go to the proposer listed first in the pipeline (the base), then to the lower candidate
 index, so a deterministic scorer gives a deterministic trajectory. Candidates without a

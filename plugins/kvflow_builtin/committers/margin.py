@@ -1,6 +1,6 @@
 """`margin`: commit a helper step only when it beats the best base step by `delta`.
 
-A conservative variant of `best` (DESIGN.md §6): the base's own step is kept unless some
+A conservative variant of `best`: the base's own step is kept unless some
 other proposer's candidate scores more than `delta` above the best base candidate, which
 limits how often the trajectory switches to the helper's text (and the base has to ingest
 it) on small score differences. "Base" is the first proposer of the pipeline, or `base`.

@@ -1,4 +1,4 @@
-"""`breadthkv`: decode-time SnapKV eviction with the kept cache quantized (METHODS.md §8).
+"""`breadthkv`: decode-time SnapKV eviction with the kept cache quantized (BreadthKV, 2026; docs/memory.md).
 
 Paper: "Precision for breadth" (BreadthKV, 2026; no public code). A fixed *byte* budget is
 better spent on more tokens at lower precision: eviction picks the kept tokens (decode-time

@@ -1,4 +1,4 @@
-"""`h2o`: Heavy-Hitter Oracle, accumulated attention + recent tokens (METHODS.md §6).
+"""`h2o`: Heavy-Hitter Oracle, accumulated attention + recent tokens (Zhang et al., NeurIPS 2023).
 
 Paper: Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large
 Language Models" (NeurIPS 2023). Reference code: FMInference/H2O (`h2o_hf`,

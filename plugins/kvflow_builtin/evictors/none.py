@@ -1,4 +1,4 @@
-"""`none`: full KV cache, no eviction (METHODS.md §1). The baseline for "full" rows."""
+"""`none`: full KV cache, no eviction. The baseline for "full" rows."""
 
 from __future__ import annotations
 

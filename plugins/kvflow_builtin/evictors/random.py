@@ -1,4 +1,4 @@
-"""`random`: Random Attention's eviction (METHODS.md §3; Salesforce 2026).
+"""`random`: Random Attention's eviction (Salesforce 2026).
 
 Paper: "Random Attention" (Salesforce AI Research, 2026). Reference behaviour (its engine's
 `random_pp`): every cached token gets an independent Uniform(0, 1) draw per (row, layer, KV

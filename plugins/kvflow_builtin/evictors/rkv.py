@@ -1,4 +1,4 @@
-"""`rkv`: R-KV, redundancy-aware eviction for reasoning models (METHODS.md §5).
+"""`rkv`: R-KV, redundancy-aware eviction for reasoning models (Cai et al., 2025).
 
 Paper: Cai et al., "R-KV: Redundancy-aware KV Cache Compression for Reasoning Models"
 (arXiv 2505.24133, 2025). Reference code: Zefan-Cai/R-KV, `rkv/compression/r1_kv.py`

@@ -1,4 +1,4 @@
-"""`snapkv`: SnapKV's observation-window attention, applied at decode time (METHODS.md §4).
+"""`snapkv`: SnapKV's observation-window attention, applied at decode time (Li et al., NeurIPS 2024).
 
 Paper: Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation"
 (NeurIPS 2024). The original compresses only the prompt, once, at prefill: the last W

@@ -1,4 +1,4 @@
-"""`streaming`: StreamingLLM's attention sinks + recent tokens (METHODS.md §2).
+"""`streaming`: StreamingLLM's attention sinks + recent tokens (Xiao et al., ICLR 2024).
 
 Paper: Xiao et al., "Efficient Streaming Language Models with Attention Sinks" (ICLR 2024).
 Reference code: mit-han-lab/streaming-llm (`StartRecentKVCache`): keep the first

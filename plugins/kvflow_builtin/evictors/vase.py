@@ -1,8 +1,8 @@
-"""`vase`: Value-aware Stochastic Eviction (METHODS.md §7; USC 2026).
+"""`vase`: Value-aware Stochastic Eviction (USC 2026).
 
 Paper: "VaSE: Value-aware Stochastic Eviction" (USC, 2026); its engine is the one the
 Random Attention paper uses. kvflow follows the paper's description as restated in
-METHODS.md §7 (no public reference code was available to us). Per (row, layer, KV head),
+the paper's description (no public reference code was available to us). Per (row, layer, KV head),
 with candidates = every resident token except the last `window` (r) and the protected
 prompt:
 

@@ -1,4 +1,4 @@
-"""`entropy`: stops incoherent candidates (METHODS.md §9, KV-Rescue's online detector).
+"""`entropy`: stops incoherent candidates (KV-Rescue's online detector).
 
 Signal: the mean, over the candidate's last `window` tokens, of the per-token entropy
 H = -Σ p log p (nats) over the full vocabulary of the *sampling* distribution, i.e. after

@@ -1,4 +1,4 @@
-"""`gzip`: stops looping candidates (METHODS.md §9, KV-Rescue's online detector).
+"""`gzip`: stops looping candidates (KV-Rescue's online detector).
 
 Signal: compression ratio len(zlib.compress(w, 9)) / len(w) of the last `window` characters
 w (UTF-8 bytes) of the candidate's text. Loops are confident (low entropy) but compress

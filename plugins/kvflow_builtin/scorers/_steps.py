@@ -1,4 +1,4 @@
-"""Helpers shared by the step-level scorers (`prm`, `llm_judge`, ...; METHODS.md §10).
+"""Helpers shared by the step-level scorers (`prm`, `llm_judge`, ...).
 
 - `StepScorerParams` / `StepScorer`: the `proposers` parameter and `can_score()`: a scorer
   scores only the candidates of the proposers it lists (default: every proposer); the

@@ -1,4 +1,4 @@
-"""`likelihood`: mean token log-probability of a candidate step (METHODS.md §10).
+"""`likelihood`: mean token log-probability of a candidate step.
 
 With `model` set, the candidate is scored under that model with the full context (prompt
 and every committed step), through a full-KV scoring session; without it, the candidate's

@@ -1,4 +1,4 @@
-"""`llm_judge`: an instruct model is asked whether the newest step is correct (METHODS.md §10).
+"""`llm_judge`: an instruct model is asked whether the newest step is correct.
 
 A generative verifier for when no trained PRM is available. For each candidate the judge
 model (`models.<model>`, loaded like a proposer's model, so a proposer's model can judge

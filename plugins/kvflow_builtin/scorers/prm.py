@@ -1,4 +1,4 @@
-"""`prm`: a process reward model scores each candidate step in context (METHODS.md §10).
+"""`prm`: a process reward model scores each candidate step in context.
 
 Every request is rendered as the whole trajectory (committed steps + the candidate, each
 normalised by `_steps.steps_for`: whitespace and trailing delimiters stripped, empty steps

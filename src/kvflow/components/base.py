@@ -1,4 +1,4 @@
-"""The component protocols (DESIGN.md §2, §6) and the records that flow between them.
+"""The component protocols and the records that flow between them.
 
 A component is a small class with a frozen pydantic `Params` model and one main method:
 
@@ -106,6 +106,18 @@ class Trajectory:
 
 @dataclass
 class ScoreRequest:
+    """One candidate to score, with the problem it continues (`Scorer.score()` gets a list).
+
+    Attributes:
+        trajectory: The problem's committed trajectory so far (`problem_id`, `question`, the
+            chat-templated `prompt`, the committed `steps`): the context the candidate would
+            continue. It identifies the problem (`trajectory.problem_id`); `candidate.problem`
+            does not (engines leave it 0).
+        candidate: The proposed step (`text`, `token_ids`, `source` proposer, per-token
+            `logprobs`, `entropies` and `confidences`, `finish`). Its `score` is None until the
+            round's scores are set from what `score()` returns.
+    """
+
     trajectory: Trajectory
     candidate: Candidate
 
@@ -150,7 +162,7 @@ class StepTrace:
 
 
 class QuantizeParams(Params):
-    """KIVI-style quantization of the kept cache (BreadthKV, METHODS.md §8): keys per channel
+    """KIVI-style quantization of the kept cache (BreadthKV; docs/memory.md): keys per channel
     (a scale and zero point per channel for each group of `group_size` tokens), values per
     token (a scale and zero point per group of `group_size` channels), packed `bits`-bit
     integers; the newest tokens stay at full precision. See `kvflow.backends.hf.quant`."""
@@ -204,7 +216,7 @@ class Evictor:
     """Base class of KV eviction methods.
 
     Subclasses implement `score()`; the base class adds the parts every method shares
-    (METHODS.md §0): the recent `window` and the protected prompt are always kept, padding
+    (docs/components.md): the recent `window` and the protected prompt are always kept, padding
     slots never are, exactly `budget` tokens survive per (row, KV head), in time order.
 
     Two optional inputs, both kept per layer by the cache and asked for by class attributes:
@@ -238,6 +250,8 @@ class Evictor:
     adaptive_heads: ClassVar[bool] = False
 
     def __init__(self, params: EvictorParams) -> None:
+        """kvflow builds one evictor per proposer as `Evictor(params)`, `params` its validated
+        `Params` (kept as `self.params`); per-sequence state lives in the cache, not here."""
         self.params = params
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -448,7 +462,7 @@ class PrunerParams(Params):
     window: int = Field(32, ge=1, description="Newest tokens (or text units) the detector's signal is computed "
                                               "over; a detector that needs no window ignores it.")
     threshold: float = Field(description="Value of the detector's signal at which a candidate is stopped "
-                                         "(above or below it, as the detector says); required.")
+                                         "(above or below it, as the detector says).")
     min_tokens: int = Field(32, ge=0, description="No check before a candidate has this many tokens.")
 
 
@@ -471,6 +485,8 @@ class Pruner:
     needs_text: ClassVar[bool] = True
 
     def __init__(self, params: PrunerParams) -> None:
+        """kvflow builds one pruner per proposer as `Pruner(params)`, `params` its validated
+        `Params` (kept as `self.params`); a verdict must come from the trace alone."""
         self.params = params
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -521,11 +537,17 @@ class ScorerContext:
 
 
 class Scorer:
-    """Base class of scorers: `score()` gets every surviving candidate of a round, batched."""
+    """Base class of scorers: `score()` gets every surviving candidate of a round, batched.
+
+    kvflow builds one scorer per run as `Scorer(params, context)`: `params` its validated
+    `Params`, `context` a `ScorerContext` (scoring sessions by model key, the proposer
+    names, the run's seed). A subclass that takes more in `__init__` still accepts these two.
+    """
 
     Params: ClassVar[type[ScorerParams]] = ScorerParams
 
     def __init__(self, params: ScorerParams, context: ScorerContext) -> None:
+        """Keep `params` as `self.params` and `context` as `self.context`."""
         self.params = params
         self.context = context
 
@@ -539,9 +561,22 @@ class Scorer:
         return []
 
     def can_score(self, proposer: str) -> bool:
+        """Whether this scorer scores the candidates of `proposer` (default: every one). The
+        others are not sent to `score()` and keep the score None."""
         return True
 
     def score(self, requests: Sequence[ScoreRequest]) -> list[float]:
+        """Required. One score per request, in request order: higher is better.
+
+        Called once per round with every surviving (unpruned) candidate of every problem that
+        has more than one (a lone candidate is committed unscored), from proposers for which
+        `can_score()` is True; problems are mixed in one batch, so read a candidate's problem
+        from `request.trajectory`. Return a list of floats of `len(requests)` (an empty list
+        for none); a wrong type or length stops the run naming the scorer
+        (`kvflow.faults`). A score must be finite for a non-empty candidate; `nan` or `-inf`
+        may mark one that cannot be scored (an empty step), and the committer ranks it below
+        every scored candidate. Scores must not depend on the batch or its order.
+        """
         raise NotImplementedError
 
     def release(self, problem_ids: Sequence[str]) -> None:
@@ -556,11 +591,17 @@ class CommitterParams(Params):
 
 
 class Committer:
-    """Base class of committers: picks one candidate per problem from scored candidates."""
+    """Base class of committers: picks one candidate per problem from scored candidates.
+
+    kvflow builds one committer per run as `Committer(params, proposers)`: `params` its
+    validated `Params`, `proposers` the pipeline's proposer names in order (the first is the
+    base, whatever it is called).
+    """
 
     Params: ClassVar[type[CommitterParams]] = CommitterParams
 
     def __init__(self, params: CommitterParams, proposers: Sequence[str]) -> None:
+        """Keep `params` as `self.params` and the proposer names as the list `self.proposers`."""
         self.params = params
         self.proposers = list(proposers)  # pipeline order: the first is the base
 
@@ -569,5 +610,25 @@ class Committer:
         guard(cls, "Committer")  # a wrong return value raises kvflow.faults.ComponentFault, naming the component
 
     def pick(self, candidates: Sequence[Candidate]) -> int:
-        """Index into `candidates` (all of one problem, scored, in proposer order)."""
+        """Required. The index into `candidates` of the step to commit.
+
+        Called once per problem per round with that problem's candidates in proposer order
+        (pipeline order, then candidate index): the unpruned ones, or all of them when every
+        one was pruned and `limits.on_all_pruned` is `fallback`. Also called with a single
+        candidate (return 0) and with candidates of one proposer only.
+
+        Scores (`candidate.score`) may be:
+
+        - **None**: not scored, because the scorer does not score that proposer
+          (`Scorer.can_score`) or the problem had a single candidate;
+        - **nan** or **-inf**: the scorer could not score it (an empty step, say);
+        - a finite float: higher is better.
+
+        A committer must return a valid index whatever the scores are, with no candidate
+        scored too, and should rank None and nan below every scored candidate (the built-in
+        `best` ranks them below even -inf, and breaks ties by proposer order, then index).
+        Return an `int` in `range(len(candidates))`; anything else stops the run naming the
+        committer (`kvflow.faults`). Do not change the candidates, and keep no state that
+        changes a later pick (the committer contract checks both).
+        """
         raise NotImplementedError

@@ -1,4 +1,4 @@
-"""The engine protocol: what the step scheduler asks of an inference engine (DESIGN.md §6-7).
+"""The engine protocol: what the step scheduler asks of an inference engine.
 
 An engine is one loaded model on one backend (`hf`, `sglang`, a plugin's). The scheduler
 (`kvflow.runtime.scheduler`) never imports a backend; it drives every engine through the

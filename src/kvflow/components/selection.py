@@ -1,4 +1,4 @@
-"""From scores to kept slots: the selection rules every evictor shares (METHODS.md §0).
+"""From scores to kept slots: the selection rules every evictor shares.
 
 `Evictor.select()` (`kvflow.components.base`) scores a layer's cached tokens, forces the
 window and the protected prompt (+inf) and rules out padding (-inf), then keeps slots by one
