@@ -175,6 +175,8 @@ def check_available(model_cfg: Any) -> Optional[str]:
 _CACHE: dict[tuple, tuple[Any, Any]] = {}
 _LOCK = threading.Lock()
 _STAMP = "kvflow-converted.json"
+#: the version of a catalog conversion's layout: a cached copy with another is converted again
+CONVERSION_FORMAT = 3
 
 
 def resolve_device(device: str) -> str:
@@ -216,7 +218,7 @@ def _save_converted(model: Any, tokenizer: Any, target: Path, stamp: dict) -> No
     The bytes are identical to a fresh GGUF load (dequantized, then cast to `dtype`)."""
     import copy
 
-    from safetensors.torch import save_model
+    from safetensors.torch import save_file
 
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
     try:
@@ -224,9 +226,11 @@ def _save_converted(model: Any, tokenizer: Any, target: Path, stamp: dict) -> No
         if hasattr(config, "quantization_config"):  # it is no longer quantized
             del config.quantization_config
         config.architectures = [type(model).__name__]  # engines that pick a model class by it (SGLang)
+        tensors, tied = converted_state(model)
+        config.tie_word_embeddings = tied  # what the file holds, whatever the GGUF's metadata said
         config.save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
-        save_model(model, str(tmp / "model.safetensors"))  # a tied lm_head is stored once
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         tokenizer.save_pretrained(tmp)
         (tmp / _STAMP).write_text(json.dumps(stamp) + "\n")  # last: marks the copy complete
         for f in tmp.iterdir():  # mkdtemp/safetensors make them private; a shared cache must be readable
@@ -240,14 +244,45 @@ def _save_converted(model: Any, tokenizer: Any, target: Path, stamp: dict) -> No
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def converted_state(model: Any) -> tuple[dict[str, Any], bool]:
+    """(the tensors to save, whether the output embedding is tied to the input embedding).
+
+    A tied output embedding (`lm_head.weight` the very tensor of `embed_tokens.weight`) is
+    saved once, under the input embedding's name: every engine reads that one (transformers
+    and SGLang both skip `lm_head.weight` where `tie_word_embeddings` is true and point the
+    head at the embedding). safetensors' own `save_model` kept the alphabetically first name
+    of a shared tensor, `lm_head.weight`, so SGLang's embedding stayed uninitialised and a
+    tied checkpoint (SmolLM2) decoded noise there while transformers, which ties either way,
+    was fine. Any other tensors that share memory are saved as copies of their own."""
+    state = model.state_dict()
+    inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    tied = (inp is not None and out is not None and getattr(out, "weight", None) is not None
+            and out.weight.data_ptr() == inp.weight.data_ptr())
+    if tied:
+        state.pop(f"{names[id(out)]}.weight", None)
+        state[f"{names[id(inp)]}.weight"] = inp.weight
+    tensors: dict[str, Any] = {}
+    seen: set[int] = set()
+    for key, t in state.items():
+        ptr = t.data_ptr()
+        tensors[key] = t.detach().clone().contiguous() if ptr in seen else t.detach().contiguous()
+        seen.add(ptr)
+    return tensors, bool(tied)
+
+
 def _catalog_conversion(name: str, dtype: str) -> tuple[Path, Path, dict]:
     """(the catalog GGUF, its converted directory, the stamp a fresh conversion carries)."""
     import transformers
 
     gguf = pull(name, progress=lambda m: log.info("%s", m))
     # A transformers upgrade may convert differently, so its version is part of the stamp;
-    # format 2: config.json names `architectures` (engines such as SGLang pick a class by it).
-    stamp = {"sha256": get_entry(name).sha256, "dtype": dtype, "transformers": transformers.__version__, "format": 2}
+    # format 2: config.json names `architectures` (engines such as SGLang pick a class by it);
+    # format 3: a tied output embedding is saved as `embed_tokens.weight` and the config's
+    # `tie_word_embeddings` says what the file holds (`converted_state`): copies of format 2
+    # held `lm_head.weight` only, which SGLang skips, and are converted again.
+    stamp = {"sha256": get_entry(name).sha256, "dtype": dtype, "transformers": transformers.__version__,
+             "format": CONVERSION_FORMAT}
     return gguf, gguf.parent / f"hf-{dtype}", stamp
 
 
