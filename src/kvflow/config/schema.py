@@ -60,6 +60,20 @@ class ModelConfig(Frozen):
         "`backend: sglang` (tp_size, dp_size, mem_fraction_static, attention_backend, context_length, ...); "
         "none on `hf`.")
 
+    @field_validator("id", "tokenizer")
+    @classmethod
+    def _known_catalog_name(cls, value: Optional[str]) -> Optional[str]:
+        """A `catalog:` name is checked here, not only when the model loads: `kvflow validate`
+        refuses an unknown one as `kvflow run` does (the catalog is a table, no download)."""
+        if value is not None and value.startswith("catalog:"):
+            from kvflow.models.catalog import CatalogError, get_entry
+
+            try:
+                get_entry(value)
+            except CatalogError as e:
+                raise ValueError(e.message) from None
+        return value
+
 
 class SamplingConfig(Frozen):
     temperature: float = Field(0.7, ge=0.0, description="0 means greedy.")

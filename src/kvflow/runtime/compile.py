@@ -15,8 +15,21 @@ from typing import Callable
 from kvflow.config.validate import LoadedPipeline
 from kvflow.errors import EngineSettingError, UserError
 
-CPU_HINT = ("on a machine without these models, run a CPU pipeline instead: "
-            "`kvflow run pipelines/quickstart.yaml` or one under pipelines/cpu/ (see `kvflow ls pipelines`)")
+def cpu_hint() -> str:
+    """What to run instead on a machine without a pipeline's models: the shipped quickstart,
+    named by a path that works from the current directory (relative when it is below it,
+    else absolute), or only `kvflow ls pipelines` where no shipped pipelines are found."""
+    import os
+    from pathlib import Path
+
+    for root in (Path.cwd(), Path(__file__).resolve().parents[3]):  # ./pipelines, then a source checkout's
+        quickstart = root / "pipelines" / "quickstart.yaml"
+        if quickstart.is_file():
+            rel = os.path.relpath(quickstart)
+            shown = rel if not rel.startswith("..") else str(quickstart)
+            return (f"on a machine without these models, run a CPU pipeline instead: `kvflow run {shown}` "
+                    f"or one under {Path(shown).parent / 'cpu'}/ (see `kvflow ls pipelines`)")
+    return "on a machine without these models, run a CPU pipeline instead (see `kvflow ls pipelines`)"
 
 
 def used_models(loaded: LoadedPipeline) -> list[str]:
@@ -40,7 +53,7 @@ def check_models(loaded: LoadedPipeline, registry=None) -> None:
         if isinstance(why, tuple):  # (field under the entry, sentence): a setting, not availability
             problems.append(loaded.problem(f"models.{key}.{why[0]}", why[1]))
         elif why:
-            problems.append(loaded.problem(f"models.{key}.id", f"model {cfg.id!r} is not available: {why}", CPU_HINT))
+            problems.append(loaded.problem(f"models.{key}.id", f"model {cfg.id!r} is not available: {why}", cpu_hint()))
     problems += engine_use_problems(loaded, registry)
     problems += deterministic_problems(loaded)
     if problems:
