@@ -142,6 +142,13 @@ class Loop:
     # ------------------------------------------------------------------ the engine thread
 
     def _run(self) -> None:
+        from kvflow.runtime.core import torch_run_settings
+
+        # torch's thread settings (run.threads: OpenMP's are per thread) in this thread too
+        with torch_run_settings(self.session.loaded.pipeline.run):
+            self._serve()
+
+    def _serve(self) -> None:
         while True:
             try:
                 self.session.decode(self._source(), self._on_done, on_tick=self._on_tick,
