@@ -39,3 +39,20 @@ def test_runs_hint_names_a_pipeline_that_exists_from_the_current_directory(tmp_p
     assert Path(shown).is_absolute()
     inside = run_kvflow("run", str(path), cwd=REPO, env={"HF_HUB_OFFLINE": "1"})
     assert "`kvflow run pipelines/quickstart.yaml`" in inside.stderr  # from the checkout: relative
+
+
+def test_report_does_not_compare_parameters_of_different_components_at_one_index():
+    """`pruners[1].window` of a gzip pruner and of an n-gram pruner is not one field: the
+    report named runs by it (`pruners[1].window=256` vs `64`) as if one setting had changed."""
+    from kvflow.report.labels import differing_paths
+
+    def config(second: dict, threshold: float = 2.5) -> dict:
+        return {"proposers": {"base": {"pruners": [{"kind": "entropy", "threshold": threshold, "window": 32},
+                                                   second]}}}
+
+    gzip = {"kind": "gzip", "threshold": 0.25, "window": 256}
+    ngram = {"kind": "ngram", "threshold": 4, "window": 64, "n": 3}
+    assert differing_paths([config(gzip), config(ngram)]) == ["proposers.base.pruners[1].kind"]
+    # the same component at that index: its parameters are compared as before
+    assert differing_paths([config(gzip), config({**gzip, "window": 128}, threshold=3.0)]) == [
+        "proposers.base.pruners[0].threshold", "proposers.base.pruners[1].window"]

@@ -19,6 +19,7 @@ KV-Rescue runs of the reproduction's round 2 differ only by `scorer.model`, so t
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Sequence
@@ -58,15 +59,30 @@ def _same(a: Any, b: Any) -> bool:
 _MISSING = object()
 
 
+_ENTRY = re.compile(r"^(.*\[\d+\])\.(.+)$")  # a path inside a list entry: `...pruners[1]` and the rest
+
+
+def _across_kinds(path: str, flats: Sequence[dict]) -> bool:
+    """True for a parameter of a list entry (`proposers.base.pruners[1].window`) whose entry is
+    not the same component in every run: a gzip pruner's window and an n-gram pruner's are
+    not one field. Only the entry's `kind` is compared there."""
+    m = _ENTRY.match(path)
+    if m is None or m.group(2) == "kind":
+        return False
+    kinds = {json.dumps(f.get(f"{m.group(1)}.kind"), default=str) for f in flats}
+    return len(kinds) > 1
+
+
 def differing_paths(configs: Sequence[dict], ignore: Iterable[str] = ()) -> list[str]:
     """Paths whose value (or presence) is not the same in every configuration, in the order
-    they first appear; ignored: NOT_HASHED paths, `name`, `description`, and `ignore`."""
+    they first appear; ignored: NOT_HASHED paths, `name`, `description`, `ignore`, and the
+    parameters of a list entry that is another component in some run (`_across_kinds`)."""
     skip = _ignored() | set(ignore)
     flats = [flatten(c) for c in configs]
     paths = list(dict.fromkeys(p for f in flats for p in f))
     out = []
     for p in paths:
-        if p in skip:
+        if p in skip or _across_kinds(p, flats):
             continue
         values = [f.get(p, _MISSING) for f in flats]
         if any(v is _MISSING for v in values) or not all(_same(values[0], v) for v in values[1:]):
