@@ -56,3 +56,86 @@ def test_report_does_not_compare_parameters_of_different_components_at_one_index
     # the same component at that index: its parameters are compared as before
     assert differing_paths([config(gzip), config({**gzip, "window": 128}, threshold=3.0)]) == [
         "proposers.base.pruners[0].threshold", "proposers.base.pruners[1].window"]
+
+
+# --------------------------------------------------------------------------- kvflow report's plots
+
+
+def _figures(monkeypatch):
+    """The figures the report's plots save, kept open for inspection."""
+    from kvflow.report import plots
+
+    saved = []
+    real = plots._save
+
+    def keep(fig, plt, path):
+        saved.append(fig)
+        out = real(fig, type("NoClose", (), {"close": staticmethod(lambda f: None)}), path)
+        return out
+
+    monkeypatch.setattr(plots, "_save", keep)
+    return saved
+
+
+def _long_runs(tmp_path):
+    from test_report import make_run
+
+    from kvflow.report import load_runs
+
+    root = tmp_path / "r"
+    for i, (ev, budget) in enumerate([("random", 32), ("random", 64), ("rkv", 32), ("rkv", 64), ("none", None)]):
+        make_run(root, f"run_with_a_rather_long_descriptive_name_{i}", [False] * 4, evictor=ev, budget=budget)
+    return load_runs([str(root / "*")])
+
+
+def test_accuracy_plot_of_all_zero_accuracies_has_a_readable_axis_and_keeps_its_legend(tmp_path, monkeypatch):
+    """All accuracies 0 drew a -0.04...0.04 % axis, and a legend of long names was cut at the
+    image's edge."""
+    import matplotlib.image
+
+    from kvflow.report import plots
+
+    saved = _figures(monkeypatch)
+    runs = _long_runs(tmp_path)
+    names = plots.series_names(runs)
+    for r in runs:  # names as long as a real comparison's
+        names.suffix[r.path] = ("scorer.model=helper, proposers.base.pruners[0].threshold=2.5, "
+                                f"proposers.base.pruners[1].window=256, run.seed={r.name[-1]}")
+    png = plots.accuracy_vs_budget(runs, tmp_path / "acc.png", names)
+    (fig,) = saved
+    ax = fig.axes[0]
+    low, high = ax.get_ylim()
+    assert low == 0 and high >= 10, (low, high)
+    renderer = fig.canvas.get_renderer()
+    legend = ax.get_legend().get_window_extent(renderer)
+    height, width = matplotlib.image.imread(png).shape[:2]
+    assert legend.width <= width and legend.height <= height, (legend.width, legend.height, width, height)
+    assert not legend.overlaps(ax.get_window_extent(renderer))  # beside the lines, not over them
+
+
+def test_decode_cost_plot_keeps_its_bars_readable_with_long_names(tmp_path, monkeypatch):
+    """Rotated run names under vertical bars took most of the figure's height: bars squashed."""
+    from kvflow.report import plots
+
+    saved = _figures(monkeypatch)
+    runs = _long_runs(tmp_path)
+    names = plots.series_names(runs)
+    for r in runs:
+        names.suffix[r.path] = "scorer.model=helper, proposers.base.pruners[0].threshold=2.5, limits.max_steps=48"
+    plots.decode_cost(runs, tmp_path / "cost.png", names)
+    (fig,) = saved
+    renderer = fig.canvas.get_renderer()
+    plot_area = fig.axes[0].get_window_extent(renderer)
+    assert plot_area.height >= 0.5 * fig.bbox.height and plot_area.width >= 0.3 * fig.bbox.width, (
+        plot_area, fig.bbox)
+
+
+def test_series_names_shorten_the_paths_of_differing_fields():
+    """Series names spelled every differing field's whole path: labels grew unreadably long."""
+    from kvflow.report.labels import short_paths
+
+    assert short_paths(["proposers.base.pruners[0].threshold", "scorer.model", "proposers.base.evictor.window",
+                        "proposers.helper.evictor.window"]) == {
+        "proposers.base.pruners[0].threshold": "pruners[0].threshold", "scorer.model": "scorer.model",
+        "proposers.base.evictor.window": "base.evictor.window",
+        "proposers.helper.evictor.window": "helper.evictor.window"}

@@ -138,6 +138,23 @@ class SeriesNames:
         return run.variant + (f" ({s})" if s else "")
 
 
+def short_paths(paths: Sequence[str]) -> dict[str, str]:
+    """Each path by its shortest ending of at least two parts that no other of `paths` ends
+    with (`proposers.base.pruners[0].threshold` -> `pruners[0].threshold`, `scorer.model`
+    stays): series names stay readable when several fields differ."""
+    parts = {p: p.split(".") for p in paths}
+    out = {}
+    for p, segs in parts.items():
+        for k in range(min(2, len(segs)), len(segs) + 1):
+            tail = segs[-k:]
+            if not any(q != p and qs[-k:] == tail for q, qs in parts.items()):
+                out[p] = ".".join(tail)
+                break
+        else:
+            out[p] = p
+    return out
+
+
 def series_names(runs: Sequence["Run"], key: Callable[["Run"], Hashable] = lambda r: (r.method, r.n)) -> SeriesNames:
     """For each group of runs with the same `key` (variant / evictor and N), the differing
     fields of the group's configurations (budget excepted) as `path=value` text. Runs that
@@ -151,8 +168,9 @@ def series_names(runs: Sequence["Run"], key: Callable[["Run"], Hashable] = lambd
         if len(group) < 2:
             continue
         paths = differing_paths([r.config for r in group], ignore=set().union(*(budget_paths(r) for r in group)))
+        short = short_paths(paths)
         for r in group:
-            names.suffix[r.path] = ", ".join(f"{p}={v}" for p, v in zip(paths, values_at(r.config, paths)))
+            names.suffix[r.path] = ", ".join(f"{short[p]}={v}" for p, v in zip(paths, values_at(r.config, paths)))
         seen: dict[tuple, list["Run"]] = {}
         for r in group:
             seen.setdefault((names.suffix[r.path], r.full_kv, r.budget), []).append(r)

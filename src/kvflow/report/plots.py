@@ -6,6 +6,7 @@ the configuration fields that tell apart runs of one variant, evictor and N.
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -25,6 +26,24 @@ def _plt():
 def _colors(plt, n: int) -> list:
     cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     return [cycle[i % len(cycle)] for i in range(n)]
+
+
+def _wrap(label: str, width: int = 48) -> str:
+    """A long series name on several lines (legends and tick labels stay narrow)."""
+    return "\n".join(textwrap.wrap(label, width, break_long_words=False, break_on_hyphens=False)) or label
+
+
+def _legend(ax) -> None:
+    """The legend beside the axes, never over the lines; `_save` keeps it in the image."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
+
+
+def _percent_axis(ax, values: Sequence[float]) -> None:
+    """0 at the bottom and at least 0-10%: all-zero accuracies are a flat line at 0, not a
+    -0.04...0.04 axis."""
+    top = max(values, default=0.0)
+    ax.set_ylim(0, min(105.0, max(10.0, top * 1.15)))
 
 
 def _unfinished(r: Run) -> str:
@@ -47,7 +66,7 @@ def accuracy_vs_budget(runs: Sequence[Run], path: Path, names: Optional[SeriesNa
     for (method, n), c in zip(series, colors):
         sel = sorted((r for r in evicted if names.series(r) == method and r.n == n), key=lambda r: r.budget)
         ax.plot([r.budget for r in sel], [r.metrics["accuracy"] * 100 for r in sel], "-o", color=c,
-                label=f"{method}, N={n}")
+                label=_wrap(f"{method}, N={n}"))
         for r in sel:
             if not r.complete:  # a point on a few problems must not pass for a finished run
                 ax.plot([r.budget], [r.metrics["accuracy"] * 100], "o", color="white", markeredgecolor=c, zorder=3)
@@ -55,7 +74,7 @@ def accuracy_vs_budget(runs: Sequence[Run], path: Path, names: Optional[SeriesNa
                             textcoords="offset points", xytext=(4, 4))
     for r, c in zip(full, colors[len(series):]):
         ax.axhline(r.metrics["accuracy"] * 100, linestyle="--", color=c,
-                   label=f"{names.variant(r)} (full KV), N={r.n}" + ("" if r.complete else f", {_unfinished(r)}"))
+                   label=_wrap(f"{names.variant(r)} (full KV), N={r.n}" + ("" if r.complete else f", {_unfinished(r)}")))
     budgets = sorted({r.budget for r in evicted})
     if budgets:
         ax.set_xscale("log", base=2)
@@ -65,7 +84,8 @@ def accuracy_vs_budget(runs: Sequence[Run], path: Path, names: Optional[SeriesNa
     ax.set_ylabel("accuracy (%)")
     ax.set_title("Accuracy vs KV budget")
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
+    _percent_axis(ax, [r.metrics["accuracy"] * 100 for r in (*evicted, *full)])
+    _legend(ax)
     return _save(fig, plt, path)
 
 
@@ -125,18 +145,22 @@ def decode_cost(runs: Sequence[Run], path: Path, names: Optional[SeriesNames] = 
         return None
     names = names or series_names(runs)
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(rows) + 2), 4.5))
+    # horizontal bars: a run's name is read along its row, at any length and any number of runs
+    # (rotated names under vertical bars took the height of the plot)
+    labels = [_wrap(f"{names.variant(r)}, {'full KV' if r.full_kv else f'B={r.budget}'}, N={r.n}", 40) for r in rows]
+    lines = sum(label.count("\n") + 1 for label in labels)
+    fig, ax = plt.subplots(figsize=(9, max(3.0, 0.22 * lines + 0.3 * len(rows) + 1.2)))
     base = [r.metrics["tokens_generated"].get(r.proposers[0], 0.0) for r in rows]
     helper = [sum(r.metrics["tokens_generated"].get(p, 0.0) for p in r.proposers[1:]) for r in rows]
-    x = range(len(rows))
-    ax.bar(x, base, label="base tokens")
-    ax.bar(x, helper, bottom=base, label="helper tokens")
-    labels = [f"{names.variant(r)}\n{'full KV' if r.full_kv else f'B={r.budget}'}, N={r.n}" for r in rows]
-    ax.set_xticks(list(x), labels, rotation=30, ha="right", fontsize=7)
-    ax.set_ylabel("tokens generated per problem")
+    y = range(len(rows))
+    ax.barh(y, base, label="base tokens")
+    ax.barh(y, helper, left=base, label="helper tokens")
+    ax.set_yticks(list(y), labels, fontsize=7)
+    ax.invert_yaxis()  # the first run on top, as in the tables
+    ax.set_xlabel("tokens generated per problem")
     ax.set_title("Decode cost")
-    ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.grid(True, axis="x", alpha=0.3)
+    _legend(ax)
     return _save(fig, plt, path)
 
 
@@ -144,6 +168,6 @@ def _save(fig, plt, path: Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # what lies outside the axes (a legend) is kept
     plt.close(fig)
     return path
