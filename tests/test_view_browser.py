@@ -207,3 +207,23 @@ def test_the_checks_see_a_script_error(cli, tmp_path):
     body = Dom(dumped.stdout).body()
     assert "not valid JSON" in body.get("data-errors", "") and "data-ready" not in body
     assert any("not valid JSON" in line for line in console_errors(dumped.stderr))
+
+
+def test_the_differing_configuration_fields_are_visible_at_1400_pixels(cli, tmp_path):
+    """The runs table put the fields that tell runs apart last, past the right edge of the
+    1400-pixel window docs/viewer.md takes its screenshots at (issue 34, 7)."""
+    index = _view(cli, tmp_path / "view", RESCUE, EVICTED)
+    measured = index.with_name("measured.html")
+    measured.write_text(index.read_text(encoding="utf-8").replace("</body>", """<script>
+window.addEventListener("load", function () { setTimeout(function () {
+  var right = 0, cols = document.querySelectorAll("#runs th.config");
+  cols.forEach(function (th) { right = Math.max(right, th.getBoundingClientRect().right); });
+  document.body.setAttribute("data-config-columns", String(cols.length));
+  document.body.setAttribute("data-config-right", String(Math.round(right)));
+}, 0); });
+</script></body>"""), encoding="utf-8")
+    dumped = _browser(tmp_path, "--window-size=1400,900", "--dump-dom", measured.resolve().as_uri() + "#run=0")
+    assert dumped.returncode == 0, dumped.stderr[-2000:]
+    body = Dom(dumped.stdout).body()
+    assert int(body["data-config-columns"]) >= 2, body  # the two runs differ in several fields
+    assert 0 < int(body["data-config-right"]) <= 1400, body

@@ -107,8 +107,11 @@
     var paths = INDEX.config_paths;
     var sources = [];
     INDEX.runs.forEach(function (r) { r.proposers.forEach(function (p) { if (sources.indexOf(p) < 0) sources.push(p); }); });
-    var head = ["#", "run", "problems", "complete", "accuracy", "95% CI", "degenerate", "mean steps", "mean tokens"]
-      .concat(sources.map(function (x) { return "steps: " + x; })).concat(["early exit", "recorded"]).concat(paths);
+    // the fields that tell the runs apart come right after their names: at the end of a wide
+    // table they sat past the right edge of a 1400-pixel window, behind a scroll bar
+    var head = ["#", "run"].concat(paths).concat(["problems", "complete", "accuracy", "95% CI", "degenerate",
+      "mean steps", "mean tokens"]).concat(sources.map(function (x) { return "steps: " + x; }))
+      .concat(["early exit", "recorded"]);
     var numeric = function (h) { return !(h === "run" || paths.indexOf(h) >= 0 || h === "recorded" || h === "complete" || h === "95% CI"); };
     var thead = el("tr", {}, head.map(function (h) {
       if (paths.indexOf(h) < 0) return el("th", { class: numeric(h) ? "num" : null, text: h });
@@ -122,19 +125,19 @@
     }));
     var rows = INDEX.runs.map(function (r) {
       var m = r.metrics;
-      var cells = [String(r.index), r.dir, String(m.problems), r.complete ? "yes" : "no",
+      var cells = [String(r.index), r.dir].concat(r.config).concat([String(m.problems), r.complete ? "yes" : "no",
         pct(m.accuracy) + " (" + m.correct + "/" + m.problems + ")",
         m.ci ? "[" + pct(m.ci[0]) + ", " + pct(m.ci[1]) + "]" : "–", pct(m.degeneration_rate), num(m.mean_steps),
         num(m.mean_output_tokens, 0)].concat(sources.map(function (x) {
           return r.proposers.indexOf(x) >= 0 ? pct(m.step_share[x]) : "–"; }))
         .concat([pct(m.early_exit_fraction), [r.recorded.signals ? "signals" : "", r.recorded.candidates ? "candidates" : ""]
-          .filter(Boolean).join(", ") || "–"]).concat(r.config);
+          .filter(Boolean).join(", ") || "–"]));
       return el("tr", { class: "clickable" + (r.index === s.run ? " selected" : ""), "data-run": r.index,
                         onclick: function () { go({ run: r.index, problem: null, vs: s.vs === r.index ? null : s.vs }); } },
         cells.map(function (c, k) { return el("td", { class: numeric(head[k]) ? "num" : null, text: c }); }));
     });
     box.appendChild(el("div", { class: "scroll" }, [el("table", { id: "runs" }, [el("thead", {}, [thead]), el("tbody", {}, rows)])]));
-    var note = paths.length ? "Last columns: the configuration fields that differ between these runs (– = not set: the " +
+    var note = paths.length ? "After each run's name: the configuration fields that differ between these runs (– = not set: the " +
       "default). Click a run to see its problems." : "Click a run to see its problems.";
     box.appendChild(el("p", { class: "note", text: note }));
   }
