@@ -82,7 +82,12 @@ def render(text: str) -> str:
 
 def stale() -> list[str]:
     """Pages whose inline blocks differ from their files, or that still hold a snippet block."""
-    return [str(p.relative_to(REPO)) for p in pages() if render(p.read_text(encoding="utf-8")) != p.read_text(encoding="utf-8")]
+    out = []
+    for page in pages():
+        text = page.read_text(encoding="utf-8")
+        if render(text) != text:
+            out.append(str(page.relative_to(REPO)))
+    return out
 
 
 def main(argv: list[str]) -> int:

@@ -74,7 +74,8 @@ def accuracy_vs_budget(runs: Sequence[Run], path: Path, names: Optional[SeriesNa
                             textcoords="offset points", xytext=(4, 4))
     for r, c in zip(full, colors[len(series):]):
         ax.axhline(r.metrics["accuracy"] * 100, linestyle="--", color=c,
-                   label=_wrap(f"{names.variant(r)} (full KV), N={r.n}" + ("" if r.complete else f", {_unfinished(r)}")))
+                   label=_wrap(f"{names.variant(r)} (full KV), N={r.n}"
+                               + ("" if r.complete else f", {_unfinished(r)}")))
     budgets = sorted({r.budget for r in evicted})
     if budgets:
         ax.set_xscale("log", base=2)
