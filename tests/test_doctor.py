@@ -29,3 +29,18 @@ def test_doctor_fails_with_what_to_do(cli, monkeypatch, tmp_path):
 def test_the_tested_set_is_read_from_the_shipped_constraints():
     pins = doctor.tested_set()
     assert pins["sglang"] == "0.5.23" and "torch" in pins and "transformers" in pins
+
+
+def test_doctors_sglang_check_passes_and_leaves_no_engine_behind(tmp_path):
+    """The SGLang line of `kvflow doctor`: R-KV on a tiny model decodes hf's tokens and the
+    tripwire counted them; its engine is closed after (no SGLang process left)."""
+    from conftest import require_sglang
+
+    require_sglang()
+    from kvflow.backends.sglang.client import _SHARED
+    from kvflow.testing.pipelines import tiny_model_dir
+
+    directory = tiny_model_dir(tmp_path, "qwen2", seed=3)
+    before = set(_SHARED)
+    assert doctor._sglang_parity(directory, "cpu") is None
+    assert set(_SHARED) == before

@@ -103,21 +103,48 @@ def test_a_full_context_engine_runs_no_kvflow_hook(shared_tiny_qwen):
         engine.start([StartRequest("hello", rkv(rkv.Params(budget=16, buffer=8, window=4)), 1)])
 
 
-def test_an_engine_built_for_rkv_reads_no_kv_in_its_hook_and_keeps_hfs_tokens(shared_tiny_qwen, hf_engine):
+def test_profiles_cover_what_they_serve():
+    """A running engine whose hook covers a pipeline's evictors serves it (a sweep, a test
+    session start one engine, not one per budget); one that lacks a part does not."""
+    reg = get_registry()
+    rkv, h2o, ada = (reg.get("evictors", k) for k in ("rkv", "h2o", "ada-snapkv"))
+    small = Profile.of([rkv(rkv.Params(budget=64, buffer=64))], 28, 4)
+    assert Profile.general().covers(small) and not small.covers(Profile.general())
+    h = Profile.of([h2o(h2o.Params(budget=64, buffer=64))], 28, 4)
+    assert not small.covers(h) and not h.covers(small)  # no ring / no statistic
+    big = Profile.of([h2o(h2o.Params(budget=256, buffer=128))], 28, 4)
+    assert big.covers(h) and not h.covers(big)  # a longer span serves shorter rows
+    assert not big.covers(Profile.of([ada(ada.Params(budget=64, buffer=64))], 28, 4))  # no hole recompute
+
+
+def test_an_engine_built_for_rkv_reads_no_kv_in_its_hook_and_keeps_hfs_tokens():
+    """On a model of its own (so that no running engine of the session covers it), with R-KV's
+    profile: no span, a ring of R-KV's window; hf's greedy tokens; H2O refused by the client."""
     from conftest import require_sglang
 
     require_sglang()
+    from kvflow.backends.hf import HFBackend
     from kvflow.backends.sglang import SGLangBackend
-    from kvflow.backends.sglang.client import EngineError
-    from kvflow.components.engine import StartRequest
-    from kvflow.testing.engine_parity import greedy_steps
+    from kvflow.testing.engine_parity import shared_model_dir
 
     reg = get_registry()
     rkv, h2o = reg.get("evictors", "rkv"), reg.get("evictors", "h2o")
     params = rkv.Params(budget=16, buffer=8, window=4)
-    engine = SGLangBackend.load(ModelConfig(backend="sglang", id=str(shared_tiny_qwen), dtype="float32",
-                                            device="cpu"), evictors=[(rkv, params)])
+    model = str(shared_model_dir("qwen2", seed=5))
+    engine = SGLangBackend.load(ModelConfig(backend="sglang", id=model, dtype="float32", device="cpu"),
+                                evictors=[(rkv, params)])
     ev = rkv(params)
+    try:
+        _check_rkv_engine(engine, ev, h2o, HFBackend.load(ModelConfig(id=model, dtype="float32", device="cpu")))
+    finally:
+        engine.worker.close()
+
+
+def _check_rkv_engine(engine, ev, h2o, hf_engine):
+    from kvflow.backends.sglang.client import EngineError
+    from kvflow.components.engine import StartRequest
+    from kvflow.testing.engine_parity import greedy_steps
+
     got, state = greedy_steps(engine, ev)
     want, _ = greedy_steps(hf_engine, ev)
     assert [[(i, f) for i, f, _ in s] for s in got] == [[(i, f) for i, f, _ in s] for s in want]

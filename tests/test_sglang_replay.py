@@ -147,9 +147,10 @@ def test_the_capturable_hooks_were_replayed_and_keep_hfs_tokens_and_state(sglang
     state = sglang_engine.server_state()
     assert state["hooks"] == "graph"
     assert state["replay_proxy"]["captures"] > 0 and state["replay_proxy"]["replays"] > 100, state["replay_proxy"]
-    # the single-row bucket was replayed many times with the host rewriting the tables between
+    # the candidates' bucket was replayed many times with the host rewriting the tables between
     # replays: admissions (three evictors' requests), compactions, rows released and reused
-    assert state["replay_proxy"]["replays_by_bucket"]["1"] >= 2 and state["compactions"] >= 3, state
+    by_bucket = state["replay_proxy"]["replays_by_bucket"]
+    assert max(by_bucket.values()) >= 10 and state["compactions"] >= 3, state
 
 
 def test_the_proxy_buckets_are_sglangs_own_capture_sizes():

@@ -184,12 +184,15 @@ def _sglang_parity(directory: Path, device: str) -> Optional[str]:
     rkv = get_registry().get("evictors", "rkv")
     params = rkv.Params(budget=16, buffer=8, window=4)
     engine = SGLangBackend.load(_config(directory, "sglang", device), evictors=[(rkv, params)])
-    got, state = greedy_steps(engine, rkv(params))
-    engine.release([state])
+    try:
+        got, state = greedy_steps(engine, rkv(params))
+        engine.release([state])
+        info = engine.server_state()
+    finally:
+        engine.worker.close()  # the doctor's own engine: no SGLang process left behind
     want, _ = greedy_steps(HFBackend.load(_config(directory, "hf", device)), rkv(params))
     if [[t for t, _, _ in s] for s in got] != [[t for t, _, _ in s] for s in want]:
         return "SGLang's tokens differ from hf's with the same evictor"
-    info = engine.server_state()
     graphs = (engine.resolved or {}).get("cuda_graph_config")
     if not info.get("observed_tokens"):
         return "the tripwire counted no observed token"

@@ -56,6 +56,7 @@ class Worker:
         self.replies: queue.Queue = queue.Queue()
         self.info: dict = {}
         self.key: Optional[tuple] = None  # its entry in the shared workers, if any
+        self.evict: Optional[str] = None  # the decode profile it was started with (JSON), None: no kvflow hook
         self._ids = itertools.count()
         self._lock = threading.Lock()
 
@@ -82,6 +83,7 @@ class Worker:
             raise EngineError(f"{where}: SGLang engine did not start: {message.strip().splitlines()[0]}"
                               f"\n{worker.log_tail()}")
         worker.info = first[1]
+        worker.evict = evict  # its decode profile (graph.Profile as JSON; None: no kvflow hook)
         threading.Thread(target=worker._read, daemon=True).start()
         return worker
 
@@ -181,14 +183,32 @@ _SHARED: dict[tuple, Worker] = {}
 def shared(engine_kwargs: dict, where: str, evict: Optional[str] = None) -> Worker:
     """The running worker for these engine arguments and decode profile (`evict`: a
     `graph.Profile` as JSON for an engine that serves evicted proposers, None for one that
-    does not: no kvflow hook then), started on first use (closed at exit)."""
-    key = (*sorted((k, repr(v)) for k, v in engine_kwargs.items()), ("kvflow_evict", evict))
+    does not: no kvflow hook then), started on first use (closed at exit). A running worker
+    with the same arguments whose profile covers the one asked for (`graph.Profile.covers`)
+    serves too: a sweep, or a test session, starts one engine, not one per budget or evictor;
+    a full-context engine only ever shares a worker without kvflow's hooks."""
+    args = tuple(sorted((k, repr(v)) for k, v in engine_kwargs.items()))
+    key = (*args, ("kvflow_evict", evict))
     worker = _SHARED.get(key)
+    if (worker is None or worker.proc.poll() is not None) and evict is not None:
+        worker = _covering(args, evict)
     if worker is None or worker.proc.poll() is not None:
         worker = Worker.start(engine_kwargs, where, evict)
         worker.key = key
         _SHARED[key] = worker
     return worker
+
+
+def _covering(args: tuple, evict: str) -> Optional[Worker]:
+    from kvflow.backends.sglang.graph import Profile
+
+    asked = Profile.from_json(evict)
+    for key, worker in _SHARED.items():
+        theirs = key[-1][1]
+        if key[:-1] == args and theirs is not None and worker.proc.poll() is None \
+                and Profile.from_json(theirs).covers(asked):
+            return worker
+    return None
 
 
 @atexit.register

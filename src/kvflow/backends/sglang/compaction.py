@@ -1,6 +1,6 @@
 """Compaction of evicted requests in SGLang's pool: the eager, between-forwards half of kvflow's hooks.
 
-A mixin of `evict.Runtime`. When a running row's nominal length reaches `budget + buffer`
+A mixin of `evict.Runtime` (`requests.py` holds `Live`). When a running row's nominal length reaches `budget + buffer`
 (checked after each forward, `Runtime.forwarded`), its kept tokens per (layer, KV head) are
 chosen by the request's evictor exactly as the `hf` cache chooses them, gathered into the row's
 first slots, and the rest go back to SGLang's allocator; the per-slot tables (`graph.Tables`:
@@ -12,11 +12,14 @@ their rows; varying allocations (per-head holes) row by row. A request that ends
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from kvflow.components.allocation import hole_index
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvflow.backends.sglang.requests import Live
 
 
 class Compaction:

@@ -95,13 +95,22 @@ class Profile:
     def reads_kv(self) -> bool:
         return bool(self.span) and (self.observes or self.varies)
 
+    def covers(self, other: "Profile") -> bool:
+        """Does a hook built for this profile serve every evictor `other` serves?"""
+        return (self.window >= other.window and self.span >= other.span and self.rows >= other.rows
+                and all(getattr(self, f) or not getattr(other, f) for f in ("observes", "own_observers", "varies")))
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
+    def from_json(cls, raw: str) -> "Profile":
+        return cls(**json.loads(raw))
+
+    @classmethod
     def from_env(cls) -> Optional["Profile"]:
         raw = os.environ.get(ENV)
-        return cls(**json.loads(raw)) if raw else None
+        return cls.from_json(raw) if raw else None
 
 
 def row_width(ev, layers: int, kv_heads: int) -> int:

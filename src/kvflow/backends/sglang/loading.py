@@ -22,6 +22,7 @@ def load_engine(model_cfg, evicting: bool = True, evictors=None):
     from transformers import AutoConfig
 
     from kvflow.backends.sglang.client import shared
+    from kvflow.backends.sglang.graph import Profile
     from kvflow.backends.sglang.engine import SGLangEngine
     from kvflow.models.loading import eos_token_ids
 
@@ -51,7 +52,7 @@ def load_engine(model_cfg, evicting: bool = True, evictors=None):
                               eos_ids=eos_token_ids(_generation_config(kwargs["model_path"]), config, tokenizer),
                               device=kwargs["device"])
         engine.resolved = dict(worker.info.get("server_args") or {})
-        engine.profile = profile
+        engine.profile = Profile.from_json(worker.evict) if worker.evict else None  # the worker's (it may cover more)
         engine.profile_shape = (kv_shape[0], max(1, kv_shape[1] // int(kwargs.get("tp_size") or 1)))
         _ENGINES[id(worker)] = engine
     engine.reset()

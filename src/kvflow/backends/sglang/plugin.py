@@ -34,10 +34,7 @@ import os
 import random
 import time
 
-_SEEDS = "sglang.srt.sampling.sampling_batch_info.SamplingBatchInfo.from_schedule_batch"
-_DRAW = "sglang.srt.layers.sampler.multinomial_with_seed"
-_NAP = "sglang.srt.managers.scheduler_components.idle_sleeper.IdleSleeper.maybe_sleep"
-_STATE = "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state"
+from kvflow.backends.sglang.hooks import DRAW as _DRAW, NAP as _NAP, SEEDS as _SEEDS, STATE as _STATE  # noqa: E402
 NAP_MS = 100
 _rng = random.SystemRandom()
 
@@ -52,9 +49,9 @@ def register() -> None:
     HookRegistry.register(_NAP, _short_nap, HookType.REPLACE)
     HookRegistry.register(_STATE, _internal_state, HookType.AFTER)
     if os.environ.get("KVFLOW_SGLANG_EVICT"):  # set by the worker for an engine that serves evicted proposers only
-        from kvflow.backends.sglang import evict
+        from kvflow.backends.sglang import hooks
 
-        evict.register()  # evicted requests (kvflow's evictors per request, layer and KV head)
+        hooks.register_evicted()  # evicted requests (kvflow's evictors per request, layer and KV head)
     if os.environ.get("KVFLOW_SGLANG_PRM") == "1":  # set by the worker for a PRM checkpoint only:
         from kvflow.backends.sglang import prm_model  # SGLang's model registry imports every model (seconds)
 
@@ -75,9 +72,9 @@ def _internal_state(result, controller, *args, **kwargs):
         "evict_hooks": bool(os.environ.get("KVFLOW_SGLANG_EVICT")),
     }
     if out["evict_hooks"]:
-        from kvflow.backends.sglang import evict
+        from kvflow.backends.sglang import hooks
 
-        out.update(evict.state())
+        out.update(hooks.state())
     result.internal_state["kvflow"] = out
     return result
 

@@ -30,9 +30,13 @@ COMMON = {"log_level": "error", "disable_overlap_schedule": True, "stream_interv
           "sleep_on_idle": True, "sampling_backend": "pytorch"}
 
 #: defaults without a GPU: kvflow's CPU platform (pure-torch kernels), no CUDA graphs, and a
-#: bounded token pool (SGLang would size it from the machine's whole memory)
+#: bounded token pool (SGLang would size it from the machine's whole memory). The pool's size is
+#: `max_total_tokens`; the fraction only has to pass SGLang's check that the weights leave room
+#: (f x free memory at start - the weights > 0), and on a CPU "free memory" is the machine's,
+#: which other processes move while the weights load: 0.3 failed that check on a busy machine
+#: ("Loaded weights leave no GPU memory for the KV cache"), 0.8 leaves the margin
 CPU = {"attention_backend": "torch_native", "disable_cuda_graph": True, "max_total_tokens": 65536,
-       "mem_fraction_static": 0.3}
+       "mem_fraction_static": 0.8}
 
 #: defaults of an engine that serves evicted proposers, on every device: decode graphs as SGLang
 #: resolves them (`full` on CUDA), prefill without graphs. kvflow's decode hook is capturable
