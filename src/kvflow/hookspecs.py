@@ -89,7 +89,7 @@ def register_backends(register: Register) -> None:
     ``load(model_cfg) -> Engine``, one engine per loaded model, implementing
     `kvflow.components.engine.Engine` (start, submit, step, sync, release, ...). A backend
     whose ``load`` also takes an ``evicting`` keyword is told whether an evicted proposer
-    runs on the model, and one whose ``load`` takes ``evictors`` (added in kvflow 0.2) gets the
+    runs on the model, and one whose ``load`` takes ``evictors`` (added in kvflow 0.1, optional) gets the
     (class, params) pair of every evictor the pipeline serves on it (SGLang builds its decode
     hook from them); an engine may offer
     ``settings() -> dict``, what it resolved on this machine, recorded in ``manifest.json``

@@ -96,8 +96,8 @@ a proposal's problem from its `tag`).
 Versions. Everything in this module, every member of `Engine` with the optional ones named
 on it (`evicts`, `exact_entropy`, `settings()`, `kept_kv()`) and the backend's side (`check`,
 `load` and its `evicting` keyword, `check_evictor`) are part of the protocol as of kvflow 0.1;
-`load`'s `evictors` keyword was added in kvflow 0.2 (optional: the compiler passes it only
-to a `load` that declares it).
+`load`'s `evictors` keyword is optional (the compiler passes it only to a `load` that
+declares it).
 A member added later says "added in kvflow X.Y" here and stays optional for engines (the
 scheduler checks for it), so an engine written against 0.1 keeps working; see
 docs/plugins.md, "Versions".
