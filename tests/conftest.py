@@ -173,13 +173,13 @@ def pytest_configure(config):
 # every module at unit level, hf engines on tiny random models in-process included. A test is
 # slow if its file is in SLOW_FILES (suites of engine or end-to-end runs), it uses a fixture of
 # SLOW_FIXTURES, its function is in SLOW_TESTS (measured: seconds each, or an engine start), its
-# id is an SGLang engine axis (`[rkv-sglang]`) or names mkdocs, or it is an `e2e` test.
+# class, name or parameters name SGLang (`[rkv-sglang]`, `...OnSGLang`) or mkdocs, or it is `e2e`.
 SLOW_FILES = {
     "test_deterministic.py", "test_e2e.py", "test_placement_pools.py", "test_scheduler_runs.py",
     "test_sglang.py", "test_sglang_data_parallel.py", "test_sglang_evicted.py", "test_sglang_gpu_settings.py",
-    "test_sglang_scoring.py", "test_tutorials.py", "test_view_browser.py",
+    "test_sglang_scoring.py", "test_tutorials.py", "test_view_browser.py", "test_serve.py", "test_serve_sglang.py",
 }
-SLOW_FIXTURES = {"sglang_engine", "ray_cluster", "shared_tiny_qwen"}
+SLOW_FIXTURES = {"sglang_engine", "hf_engine", "ray_cluster", "shared_tiny_qwen"}
 SLOW_TESTS = {
     "test_every_catalog_checkpoint_greedy_decodes_the_same_on_hf_and_sglang",
     "test_the_general_hook_costs_what_the_specialised_one_saves",
@@ -187,16 +187,18 @@ SLOW_TESTS = {
     "test_the_decode_step_replayed_on_new_tables_equals_it_run_eagerly",
     "test_the_proxy_replays_a_hooks_python_decisions_as_they_were_at_capture",  # 15 s
     "test_calibrate_bits_end_to_end",  # 22 s, a subprocess (the quick tier: test_cli's refusal)
+    "test_an_engine_built_for_rkv_reads_no_kv_in_its_hook_and_keeps_hfs_tokens",  # an SGLang engine, 30 s
+    "test_every_component_example_passes_its_contract_suite",  # 172 s: every contract suite, SGLang's too
     "test_sigkill_at_random_moments_resumes_exactly", "test_sigint_stops_cleanly_with_exit_130_and_resumes",
 }
-_SLOW_ID = re.compile(r"[\[-]sglang[\]-]|mkdocs")
+_SLOW_ID = re.compile(r"sglang|mkdocs", re.I)  # in the test's class, name or parameters (not its file)
 
 
 def _slow(item) -> bool:
     name = getattr(item, "originalname", None) or item.name.split("[")[0]
     return (Path(str(item.fspath)).name in SLOW_FILES or name in SLOW_TESTS
             or bool(SLOW_FIXTURES & set(getattr(item, "fixturenames", ())))
-            or bool(_SLOW_ID.search(item.nodeid)) or item.get_closest_marker("e2e") is not None)
+            or bool(_SLOW_ID.search(item.nodeid.split("::", 1)[-1])) or item.get_closest_marker("e2e") is not None)
 
 
 def pytest_collection_modifyitems(config, items):
