@@ -1,0 +1,257 @@
+"""`kvflow serve` against `kvflow run` on the same problems and pipeline (docs/benchmarks.md).
+
+The pipeline is kvflow.testing's tiny one (random-weight Qwen2 base with random eviction,
+Llama helper, likelihood scorer, `best` committer; `--problems` GSM8K-style questions), or
+`--pipeline FILE` (its dataset's first `--problems` problems). Measured, for one process's
+engines each time:
+
+- run: the local executor's decode (a `Session` over every problem, as `kvflow run` decodes
+  them, records not written; after one warm-up problem, as the server gets one warm-up request): problems per minute, and per problem the time from the start
+  to its first committed step and to its end;
+- serve at each `--concurrency` c: a `kvflow serve` process on 127.0.0.1, c clients each
+  streaming its next problem (the run's prompt, `seed` = its index, so the same trajectory)
+  through POST /v1/chat/completions until all are answered: problems per minute from the
+  first request to the last answer, p50/p95 time to the first committed step (the first SSE
+  chunk) and to the end; the ratio to run's problems per minute;
+- soak (`--soak N`): N more requests at concurrency 8, every 4th closed after its first step
+  (a cancellation), the server's resident memory (VmRSS) and /health's engine rows sampled
+  every N/10 requests.
+
+    python bench/serve_throughput.py --problems 16 --concurrency 1,4,16 --soak 500
+    python bench/serve_throughput.py --pipeline pipelines/quickstart.yaml --problems 4 --concurrency 1,4
+
+Prints one JSON object (and writes it to `--out`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+from pathlib import Path
+
+KVFLOW = [sys.executable, "-c", "from kvflow.cli import main; main()"]
+
+
+def tiny(directory: Path, problems: int) -> Path:
+    """The tiny pipeline over `problems` questions (the four of kvflow.testing, varied)."""
+    from kvflow.testing.pipelines import PROBLEMS, tiny_pipeline
+
+    path = tiny_pipeline(directory, problems=4, max_tokens=64, extra={
+        "limits": {"max_steps": 8}, "run": {"threads": 1, "batch_problems": 8, "live_problems": 16},
+        "serve": {"queue": 64}})
+    data = directory / "bench.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{q} (variant {i})", "answer": a}) + "\n"
+                            for i in range(problems) for q, a in [PROBLEMS[i % len(PROBLEMS)]]))
+    text = path.read_text().replace("path: problems.jsonl", "path: bench.jsonl").replace("limit: 4", f"limit: {problems}")
+    path.write_text(text)
+    return path
+
+
+def pct(values, q):
+    values = sorted(values)
+    if not values:
+        return None
+    k = (len(values) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
+    return round(values[lo] + (values[hi] - values[lo]) * (k - lo), 3)
+
+
+def run_baseline(path: Path, n: int) -> tuple[dict, list]:
+    """The local executor's decode of the first n problems; their messages for the server."""
+    from kvflow.config.validate import load_pipeline
+    from kvflow.eval.prompts import get_prompt
+    from kvflow.registry import get_registry
+    from kvflow.runtime.core import load_dataset
+    from kvflow.runtime.session import Session
+
+    loaded = load_pipeline(path, registry=get_registry())
+    problems = load_dataset(loaded)[:n]
+    template = get_prompt(loaded.pipeline.dataset.prompt)
+    first, end = {}, {}
+    with Session(loaded, get_registry()) as session:
+        warm = session.trajectory(problems[0])  # first forwards' one-off costs, as the server's warm-up request
+        session.decode([warm], session.forget)
+        trajs = {}
+        t0 = time.perf_counter()
+
+        def source():
+            for p in problems:
+                trajs[p.id] = session.trajectory(p)
+                yield trajs[p.id]
+
+        def on_tick(live):
+            t = time.perf_counter() - t0
+            for pid, tr in trajs.items():
+                if tr.steps and pid not in first:
+                    first[pid] = t
+
+        def on_done(tr):
+            t = time.perf_counter() - t0
+            first.setdefault(tr.problem_id, t)
+            end[tr.problem_id] = t
+            session.forget(tr)
+
+        session.decode(source(), on_done, on_tick=on_tick)
+        wall = time.perf_counter() - t0
+    ids = [p.id for p in problems]
+    messages = [(int(p.id.rsplit("/", 1)[1]), template.messages(p.question)) for p in problems]
+    return ({"problems": n, "wall_s": round(wall, 3), "problems_per_min": round(60 * n / wall, 2),
+             "first_step_p50_s": pct([first[i] for i in ids], 0.5), "first_step_p95_s": pct([first[i] for i in ids], 0.95),
+             "done_p50_s": pct([end[i] for i in ids], 0.5), "done_p95_s": pct([end[i] for i in ids], 0.95)},
+            messages)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stream_one(httpx, url: str, name: str, seed: int, messages, cancel: bool = False) -> tuple[float, float]:
+    t0 = time.perf_counter()
+    first = None
+    with httpx.stream("POST", url + "/v1/chat/completions", timeout=600,
+                      json={"model": name, "messages": messages, "seed": seed, "stream": True}) as reply:
+        reply.raise_for_status()
+        for line in reply.iter_lines():
+            if line.startswith("data: {") and first is None and '"kvflow"' in line:
+                first = time.perf_counter() - t0
+                if cancel:
+                    break
+    return first if first is not None else time.perf_counter() - t0, time.perf_counter() - t0
+
+
+def serve_levels(path: Path, name: str, messages, levels, soak: int) -> tuple[list, dict]:
+    import httpx
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(Path(tempfile.gettempdir()) / f"kvflow-serve-bench-{port}.log", "w")
+    proc = subprocess.Popen([*KVFLOW, "serve", str(path), "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        stream_one(httpx, url, name, 10**6, messages[0][1])  # warm-up, as the run's
+        out = []
+        for c in levels:
+            todo = list(messages)
+            lock = threading.Lock()
+            results = []
+
+            def client():
+                while True:
+                    with lock:
+                        if not todo:
+                            return
+                        seed, msgs = todo.pop(0)
+                    results.append(stream_one(httpx, url, name, seed, msgs))
+
+            t0 = time.perf_counter()
+            threads = [threading.Thread(target=client) for _ in range(c)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            wall = time.perf_counter() - t0
+            out.append({"concurrency": c, "problems": len(results), "wall_s": round(wall, 3),
+                        "problems_per_min": round(60 * len(results) / wall, 2),
+                        "first_step_p50_s": pct([r[0] for r in results], 0.5),
+                        "first_step_p95_s": pct([r[0] for r in results], 0.95),
+                        "done_p50_s": pct([r[1] for r in results], 0.5),
+                        "done_p95_s": pct([r[1] for r in results], 0.95)})
+            print(json.dumps(out[-1]), file=sys.stderr, flush=True)
+        soaked = {}
+        if soak:
+            samples = []
+
+            def rss() -> int:
+                for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines():
+                    if line.startswith("VmRSS:"):
+                        return int(line.split()[1]) // 1024
+                return 0
+
+            def one(i):
+                seed, msgs = messages[i % len(messages)]
+                return stream_one(httpx, url, name, 1000 + i, msgs, cancel=(i % 4 == 3))
+
+            every = max(1, soak // 10)
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(8) as pool:
+                for start in range(0, soak, every):
+                    list(pool.map(one, range(start, min(soak, start + every))))
+                    deadline = time.time() + 30
+                    while True:  # the cancelled ones are released at their next step boundary
+                        health = httpx.get(url + "/health").json()
+                        if not any(health["rows"].values()) or time.time() > deadline:
+                            break
+                        time.sleep(0.1)
+                    samples.append({"requests": min(soak, start + every), "rss_mib": rss(), "rows": health["rows"],
+                                    "in_flight": health["in_flight"]})
+            cancelled = [ln for ln in httpx.get(url + "/metrics").text.splitlines()
+                         if ln.startswith("kvflow_requests_cancelled_total ")]
+            soaked = {"requests": soak, "cancelled_every": 4, "concurrency": 8,
+                      "wall_s": round(time.perf_counter() - t0, 1), "samples": samples,
+                      "cancelled_total": float(cancelled[0].split()[1]) if cancelled else None}
+        return out, soaked
+    finally:
+        proc.terminate()
+        proc.wait(120)
+        log.close()
+
+
+def machine() -> str:
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+        return f"{fields.get('Model name', '?').strip()}, {fields.get('CPU(s)', '?').strip()} CPUs"
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pipeline", type=Path, help="a pipeline file (default: kvflow.testing's tiny one)")
+    ap.add_argument("--problems", type=int, default=16)
+    ap.add_argument("--concurrency", default="1,4,16")
+    ap.add_argument("--soak", type=int, default=0, help="requests of the memory/rows soak (0: none)")
+    ap.add_argument("--out", type=Path, default=Path("docs/results/bench/serve_throughput.json"))
+    args = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.pipeline or tiny(Path(tmp), args.problems)
+        from kvflow.config.validate import load_pipeline
+
+        name = load_pipeline(path).pipeline.name
+        run, messages = run_baseline(path, args.problems)
+        print(json.dumps({"run": run}), file=sys.stderr, flush=True)
+        levels, soak = serve_levels(path, name, messages, [int(c) for c in args.concurrency.split(",")], args.soak)
+    for lv in levels:
+        lv["vs_run"] = round(lv["problems_per_min"] / run["problems_per_min"], 3)
+    result = {"bench": "serve_throughput", "command": " ".join(["python"] + sys.argv),
+              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
+              "load_avg": os.getloadavg(), "pipeline": str(args.pipeline or "kvflow.testing tiny (bench.jsonl)"),
+              "run": run, "serve": levels, **({"soak": soak} if soak else {})}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
