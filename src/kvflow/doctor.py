@@ -154,7 +154,6 @@ def _hf_exact(directory: Path, device: str) -> Optional[str]:
     engine = HFBackend.load(_config(directory, "hf", device))
     rkv = get_registry().get("evictors", "rkv")
     prompt = "Natalia sold clips to 48 of her friends."
-    ids = engine.encode(prompt) if hasattr(engine, "encode") else None
     spec = SamplingSpec(1, 0.0, 1.0, 24, "\x00never\x00")
     got = []
     for ev in (rkv(rkv.Params(budget=512, buffer=8, window=4)), rkv(rkv.Params(budget=16, buffer=8, window=4))):

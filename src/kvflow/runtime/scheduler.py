@@ -190,24 +190,21 @@ def _loop(plan: Plan, source, on_done, clock, occupancy: Occupancy, overlap: "_O
             if dropped:
                 _drop(plan, dropped, clock)
                 ready = [p for p in ready if p not in dropped]
-                for p in dropped:
-                    live.remove(p)
-                if timings is not None:
-                    for p in dropped:
-                        timings[p.traj.problem_id] = _timing(clock, p)
-                with clock.phase("record"):
-                    for p in dropped:
-                        on_done(p.traj)
+                _retire(dropped, live, timings, clock, on_done)
         if ready:
-            done = _advance(plan, ready, clock, key)
-            for p in done:
-                live.remove(p)
-            if timings is not None:
-                for p in done:
-                    timings[p.traj.problem_id] = _timing(clock, p)
-            with clock.phase("record"):
-                for p in done:
-                    on_done(p.traj)
+            _retire(_advance(plan, ready, clock, key), live, timings, clock, on_done)
+
+
+def _retire(ended: list, live: list, timings, clock, on_done) -> None:
+    """Problems that ended (finished or cancelled) leave the live set: their timing, then their record."""
+    for p in ended:
+        live.remove(p)
+    if timings is not None:
+        for p in ended:
+            timings[p.traj.problem_id] = _timing(clock, p)
+    with clock.phase("record"):
+        for p in ended:
+            on_done(p.traj)
 
 
 def _step(plan: Plan, engine: Engine) -> tuple[list[Proposal], int, int]:
