@@ -90,6 +90,16 @@ class MutablePruner(LengthPruner):
     Params = MutableParams
 
 
+class UndescribedParams(PrunerParams):
+    threshold: float = 60  # no Field(description=...): the contract must say so
+
+
+class UndescribedPruner(LengthPruner):
+    """A pruner one of whose parameters has no description."""
+
+    Params = UndescribedParams
+
+
 class UndocumentedPruner(LengthPruner):
     pass
 
@@ -99,7 +109,8 @@ def test_component_contract_catches_mutable_params_and_missing_docstrings():
     with pytest.raises(BaseException, match="DID NOT RAISE"):
         suite.test_params_model_is_frozen_and_strict(MutablePruner(MutableParams()))
     with pytest.raises(AssertionError, match="no description"):
-        suite.test_every_parameter_is_described(LengthPruner(PrunerParams(threshold=1)))
+        suite.test_every_parameter_is_described(UndescribedPruner(UndescribedParams()))
+    suite.test_every_parameter_is_described(LengthPruner(LengthParams()))  # described: passes
     with pytest.raises(AssertionError, match="no docstring of its own"):
         suite.test_documented(UndocumentedPruner(LengthParams()))
 
