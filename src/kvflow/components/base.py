@@ -1,4 +1,4 @@
-"""The component protocols and the records that flow between them.
+"""The component protocols: the base classes of evictors, pruners, scorers and committers.
 
 A component is a small class with a frozen pydantic `Params` model and one main method:
 
@@ -7,6 +7,10 @@ A component is a small class with a frozen pydantic `Params` model and one main 
 - `Scorer.score()`    how good each surviving candidate is;
 - `Committer.pick()`  which candidate of a problem becomes the next step.
 
+Their parameter models (`kvflow.components.params`) and the records that flow between them
+(`kvflow.components.records`) live in modules of their own and are re-exported here: plugins
+import every component name from `kvflow.components.base`.
+
 Nothing here imports torch at module import time, so `kvflow validate` and `kvflow ls` stay
 fast; tensors are only touched inside methods that run during `kvflow run`.
 """
@@ -14,202 +18,30 @@ fast; tensors are only touched inside methods that run during `kvflow run`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Optional, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvflow._lazy import torch
+from kvflow.components.params import (
+    CommitterParams, EvictorParams, Params, PrunerParams, QuantizeParams, ScorerParams,
+)
+from kvflow.components.records import (
+    CONFIDENCE_TOP_K, Candidate, ScoreRequest, Step, StepTrace, Trajectory,
+)
 from kvflow.components.selection import adaptive_keep, keep_top
 from kvflow.faults import guard
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch as _torch
 
-
-class Params(BaseModel):
-    """Base of every component's parameter model: frozen, unknown keys rejected."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-# --------------------------------------------------------------------------- records
-
-
-@dataclass
-class Candidate:
-    """One proposed step. `logprobs` are the model's own log-probabilities (temperature 1) of
-    the sampled tokens; `entropies` are measured on the sampling distribution (after
-    temperature and before top-p; greedy decoding counts as temperature 1), in nats.
-
-    `confidences` are DeepConf's token confidences (`StepTrace.confidences`: minus the mean of
-    the top-`CONFIDENCE_TOP_K` temperature-1 log-probabilities), one per token.
-
-    `finish` is `eos` (the last token is EOS, left out of `text`), `delimiter` (the token that
-    completed the delimiter is the last one), `max_step_tokens` (the step's cap: the spec's
-    `max_step_tokens` or the request's `token_room`, whichever is smaller) or `pruned:<name>`.
-    `signals` holds, when the spec records them, each pruner's `signal()` at every token at
-    which the candidate was live (`Pruner`): one value per token for a pruned candidate, one
-    fewer for a candidate ended by a stop rule. `problem` is not an identity: engines set 0,
-    and kvflow reads a candidate's problem from its request (`ScoreRequest.trajectory`)."""
-
-    problem: int  # unused by kvflow (engines set 0); identify the problem by ScoreRequest.trajectory
-    source: str  # proposer name
-    index: int  # candidate index within the proposer, 0..n-1
-    text: str
-    token_ids: list[int]
-    logprobs: list[float]
-    entropies: list[float]
-    finish: str  # delimiter | eos | max_step_tokens | pruned:<pruner>
-    score: Optional[float] = None
-    signals: dict[str, list[float]] = field(default_factory=dict)  # pruner traces, when recorded
-    confidences: list[float] = field(default_factory=list)  # per token: StepTrace.confidences (engines fill it)
-
-    @property
-    def n_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def pruned(self) -> bool:
-        return self.finish.startswith("pruned:")
-
-
-@dataclass
-class Step:
-    text: str
-    source: str
-    score: Optional[float]
-    n_tokens: int
-    fallback: bool = False  # committed although every candidate had been pruned
-
-
-@dataclass
-class Trajectory:
-    """The shared committed text of one problem. Text is the source of truth; each proposer
-    keeps its own tokenization of it in its cache."""
-
-    problem_id: str
-    question: str
-    prompt: str  # the exact text fed to the base model (chat template applied)
-    steps: list[Step] = field(default_factory=list)
-    finish: Optional[str] = None  # eos | answer | cap_steps | cap_tokens
-    tokens_generated: dict[str, int] = field(default_factory=dict)
-    pruned: dict[str, int] = field(default_factory=dict)
-    candidates: dict[str, int] = field(default_factory=dict)  # candidates proposed, by proposer
-    committed_tokens: int = 0
-    signals: list[dict] = field(default_factory=list)  # per-candidate pruner traces, when recorded
-    all_candidates: list[dict] = field(default_factory=list)  # every candidate of every step, when recorded
-
-    @property
-    def text(self) -> str:
-        return "".join(s.text for s in self.steps)
-
-
-@dataclass
-class ScoreRequest:
-    """One candidate to score, with the problem it continues (`Scorer.score()` gets a list).
-
-    Attributes:
-        trajectory: The problem's committed trajectory so far (`problem_id`, `question`, the
-            chat-templated `prompt`, the committed `steps`): the context the candidate would
-            continue. It identifies the problem (`trajectory.problem_id`); `candidate.problem`
-            does not (engines leave it 0).
-        candidate: The proposed step (`text`, `token_ids`, `source` proposer, per-token
-            `logprobs`, `entropies` and `confidences`, `finish`). Its `score` is None until the
-            round's scores are set from what `score()` returns.
-    """
-
-    trajectory: Trajectory
-    candidate: Candidate
-
-
-#: k of the token confidence every engine computes (DeepConf, Fu et al. 2025, arXiv:2508.15260,
-#: uses k = 20): `StepTrace.confidences` and `Candidate.confidences`
-CONFIDENCE_TOP_K = 20
-
-
-@dataclass
-class StepTrace:
-    """What pruners see after every decoded token: the live candidate rows of one proposer.
-
-    entropies:   [rows, max_step_tokens] float32, valid up to n_tokens[row]: entropy (nats)
-                 of the sampling distribution (after temperature, before top-p)
-    n_tokens:    [rows] int64, tokens generated so far in this step (including the newest)
-    texts:       each row's step so far: its tokens' texts, each decoded on its own, joined (a
-                 character split across tokens shows as U+FFFD pieces); engines may pass
-                 anything when every pruner has `needs_text = False`
-    logprobs:    [rows, max_step_tokens] float32, valid up to n_tokens[row]: the sampled
-                 token's log-probability under the model's own distribution (temperature 1,
-                 before top-p), as in `Candidate.logprobs`
-    confidences: [rows, max_step_tokens] float32, valid up to n_tokens[row]: DeepConf's token
-                 confidence C_i = -(1/k) * sum of the k largest temperature-1 log-probabilities
-                 at token i, k = `CONFIDENCE_TOP_K` (20; min(k, vocab) on a smaller vocabulary).
-                 High: a peaked distribution (a confident model); low: a flat one
-
-    Engines fill every field; `logprobs` and `confidences` are None only in traces built by
-    hand (kvflow 0.1 had neither; a pruner that reads them may assume an engine's trace).
-    Both are exact on every built-in engine (`hf` computes them in the sampling pass, SGLang
-    from the top-k log-probabilities it returns), equal within float tolerance.
-    """
-
-    entropies: "_torch.Tensor"
-    n_tokens: "_torch.Tensor"
-    texts: Sequence[str]
-    logprobs: Optional["_torch.Tensor"] = None
-    confidences: Optional["_torch.Tensor"] = None
+__all__ = [
+    "CONFIDENCE_TOP_K", "Candidate", "Committer", "CommitterParams", "Evictor", "EvictorParams", "Params",
+    "Pruner", "PrunerParams", "QuantizeParams", "ScoreRequest", "Scorer", "ScorerContext", "ScorerParams",
+    "Step", "StepTrace", "Trajectory",
+]
 
 
 # --------------------------------------------------------------------------- evictors
-
-
-class QuantizeParams(Params):
-    """KIVI-style quantization of the kept cache (BreadthKV; docs/memory.md): keys per channel
-    (a scale and zero point per channel for each group of `group_size` tokens), values per
-    token (a scale and zero point per group of `group_size` channels), packed `bits`-bit
-    integers; the newest tokens stay at full precision. See `kvflow.backends.hf.quant`."""
-
-    bits: Literal[2, 3, 4, 8] = Field(4, description="Bits per quantized key/value element.")
-    group_size: int = Field(32, ge=1, description="Tokens per key group (per-channel scales) and channels per "
-                                                  "value group (per-token scales); must divide head_dim.")
-    residual: int = Field(16, ge=0, description="Newest kept tokens held at full precision (at least; the "
-                                                "quantized part is a whole number of key groups).")
-
-
-class EvictorParams(Params):
-    budget: int = Field(64, ge=1, description="Tokens kept per (layer, KV head) after a compaction.")
-    buffer: int = Field(128, ge=1, description="Tokens appended between compactions; the peak is budget + buffer.")
-    window: int = Field(8, ge=0, description="Most recent tokens always kept (inside the budget).")
-    protect_prompt: bool = Field(False, description="Keep the prompt (inside the budget, leaving at least one free slot).")
-    budget_bytes: Optional[int] = Field(
-        None, ge=1, description="Instead of `budget`: bytes of keys and values one sequence keeps after a "
-        "compaction (all layers; scales and zero points included when quantized). Converted to the largest "
-        "token budget that fits, from the model's shape and dtype, when the run starts.")
-    quantize: Optional[QuantizeParams] = Field(
-        None, description="Store the kept tokens quantized (BreadthKV / KIVI style); null keeps full precision.")
-
-    @model_validator(mode="after")
-    def _window_inside_budget(self):
-        if self.budget_bytes is not None:
-            if "budget" in self.model_fields_set:
-                raise ValueError("give either budget (tokens) or budget_bytes, not both")
-            return self  # the window is checked again once budget_bytes is converted to tokens
-        if self.budget and self.window >= self.budget:
-            raise ValueError(f"window ({self.window}) must be smaller than budget ({self.budget}): the recent "
-                             "window is kept inside the budget")
-        q = self.quantize if self.budget else None  # budget 0: `none`, which rejects quantize itself
-        if q is not None and q.residual + q.group_size > self.budget:
-            raise ValueError(f"quantize.residual ({q.residual}) + quantize.group_size ({q.group_size}) must not "
-                             f"exceed budget ({self.budget}): nothing would be quantized")
-        if q is not None and self.buffer < q.group_size:
-            raise ValueError(f"buffer ({self.buffer}) must be at least quantize.group_size ({q.group_size}): "
-                             "tokens leave the full-precision region a whole key group at a time")
-        return self
-
-    def with_budget(self, budget: int) -> "EvictorParams":
-        """The same parameters with a token budget in place of `budget_bytes` (validated again)."""
-        data = self.model_dump(exclude_unset=True)
-        data.pop("budget_bytes", None)
-        data["budget"] = budget
-        return type(self).model_validate(data)
 
 
 class Evictor:
@@ -454,18 +286,6 @@ class Evictor:
 # --------------------------------------------------------------------------- pruners
 
 
-class PrunerParams(Params):
-    """Base of pruner parameters. Every detector has a `threshold` (no default here: each
-    detector's signal has its own scale), a `window` and `min_tokens`; a subclass redefines a
-    field to give it its own default and a description in the detector's terms."""
-
-    window: int = Field(32, ge=1, description="Newest tokens (or text units) the detector's signal is computed "
-                                              "over; a detector that needs no window ignores it.")
-    threshold: float = Field(description="Value of the detector's signal at which a candidate is stopped "
-                                         "(above or below it, as the detector says).")
-    min_tokens: int = Field(32, ge=0, description="No check before a candidate has this many tokens.")
-
-
 class Pruner:
     """Base class of online degeneration detectors: `check()` runs after every decoded token
     of every live candidate row of the proposers it is attached to.
@@ -512,11 +332,6 @@ class Pruner:
 
 
 # --------------------------------------------------------------------------- scorers
-
-
-class ScorerParams(Params):
-    """Base of scorer parameters. A scorer that combines per-step scores declares its own
-    `aggregate` (e.g. `prm`); elsewhere the key is rejected, since it would mean nothing."""
 
 
 @dataclass
@@ -584,10 +399,6 @@ class Scorer:
 
 
 # --------------------------------------------------------------------------- committers
-
-
-class CommitterParams(Params):
-    pass
 
 
 class Committer:

@@ -459,7 +459,9 @@ class SGLangEngine(EvictedStates):
     # ------------------------------------------------------------------ scoring
 
     def scoring_session(self):
-        return SGLangScoringSession(self)
+        from kvflow.backends.sglang.scoring import ScoringSession
+
+        return ScoringSession(self)
 
     def score_ids(self, sequences: Sequence[tuple[list[int], int]]) -> list[list[float]]:
         """log p of ids[start:] given what precedes, for each (ids, start): prompt logprobs."""
@@ -491,30 +493,3 @@ def _engine_finish(reason: dict) -> str:
     if isinstance(matched, int):
         return "eos"
     return "delimiter" if matched is not None else "max_step_tokens"
-
-
-class SGLangScoringSession:
-    """Full-context token log-probabilities of candidate steps, from SGLang's prompt logprobs
-    (the trajectory prefix is served from the radix cache). Same contract as `hf`'s session."""
-
-    def __init__(self, engine: SGLangEngine) -> None:
-        self.engine = engine
-        self._context: dict[str, tuple[list[int], int]] = {}  # problem -> (ids, steps included)
-
-    def _ids(self, t) -> list[int]:
-        ids, n = self._context.get(t.problem_id) or (self.engine.encode(t.prompt), 0)
-        if n < len(t.steps):
-            ids = ids + [i for s in t.steps[n:] for i in self.engine.encode(s.text)]
-        self._context[t.problem_id] = (ids, len(t.steps))
-        return ids
-
-    def token_logprobs(self, trajectories, texts) -> list[list[float]]:
-        seqs = []
-        for t, text in zip(trajectories, texts):
-            ctx = self._ids(t)
-            seqs.append((ctx + self.engine.encode(text), len(ctx)))
-        return self.engine.score_ids(seqs)
-
-    def release(self, problem_ids) -> None:
-        for pid in problem_ids:
-            self._context.pop(pid, None)
