@@ -6,13 +6,17 @@ Llama helper, likelihood scorer, `best` committer; `--problems` GSM8K-style ques
 engines each time:
 
 - run: the local executor's decode (a `Session` over every problem, as `kvflow run` decodes
-  them, records not written; after one warm-up problem, as the server gets one warm-up request): problems per minute, and per problem the time from the start
-  to its first committed step and to its end;
+  them, records not written; after one warm-up problem, as the server gets one warm-up
+  request): problems per minute, and per problem the time from the start to its first
+  committed step and to its end; once with the pipeline's own `run.live_problems` (16: every
+  problem in flight) and once per concurrency c with `--set run.live_problems=c` (a run that
+  keeps as many problems in flight as c clients do: the like-for-like baseline of serve at c);
 - serve at each `--concurrency` c: a `kvflow serve` process on 127.0.0.1, c clients each
   streaming its next problem (the run's prompt, `seed` = its index, so the same trajectory)
   through POST /v1/chat/completions until all are answered: problems per minute from the
   first request to the last answer, p50/p95 time to the first committed step (the first SSE
-  chunk) and to the end; the ratio to run's problems per minute;
+  chunk) and to the end; the ratio to run's problems per minute, at its own live_problems
+  (`vs_run`) and at live_problems = c (`vs_run_same_live`);
 - soak (`--soak N`): N more requests at concurrency 8, every 4th closed after its first step
   (a cancellation), the server's resident memory (VmRSS) and /health's engine rows sampled
   every N/10 requests.
@@ -30,7 +34,6 @@ import json
 import os
 import platform
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -67,15 +70,17 @@ def pct(values, q):
     return round(values[lo] + (values[hi] - values[lo]) * (k - lo), 3)
 
 
-def run_baseline(path: Path, n: int) -> tuple[dict, list]:
-    """The local executor's decode of the first n problems; their messages for the server."""
+def run_baseline(path: Path, n: int, live: int | None = None) -> tuple[dict, list]:
+    """The local executor's decode of the first n problems (at most `live` in flight, when
+    given); their messages for the server."""
     from kvflow.config.validate import load_pipeline
     from kvflow.eval.prompts import get_prompt
     from kvflow.registry import get_registry
     from kvflow.runtime.core import load_dataset
     from kvflow.runtime.session import Session
 
-    loaded = load_pipeline(path, registry=get_registry())
+    sets = [f"run.live_problems={live}", f"run.batch_problems={min(live, 8)}"] if live else []
+    loaded = load_pipeline(path, sets, registry=get_registry())
     problems = load_dataset(loaded)[:n]
     template = get_prompt(loaded.pipeline.dataset.prompt)
     first, end = {}, {}
@@ -106,7 +111,7 @@ def run_baseline(path: Path, n: int) -> tuple[dict, list]:
         wall = time.perf_counter() - t0
     ids = [p.id for p in problems]
     messages = [(int(p.id.rsplit("/", 1)[1]), template.messages(p.question)) for p in problems]
-    return ({"problems": n, "wall_s": round(wall, 3), "problems_per_min": round(60 * n / wall, 2),
+    return ({"problems": n, "live_problems": loaded.pipeline.run.live_problems, "wall_s": round(wall, 3), "problems_per_min": round(60 * n / wall, 2),
              "first_step_p50_s": pct([first[i] for i in ids], 0.5), "first_step_p95_s": pct([first[i] for i in ids], 0.95),
              "done_p50_s": pct([end[i] for i in ids], 0.5), "done_p95_s": pct([end[i] for i in ids], 0.95)},
             messages)
@@ -239,11 +244,18 @@ def main() -> None:
         from kvflow.config.validate import load_pipeline
 
         name = load_pipeline(path).pipeline.name
+        concurrency = [int(c) for c in args.concurrency.split(",")]
         run, messages = run_baseline(path, args.problems)
         print(json.dumps({"run": run}), file=sys.stderr, flush=True)
-        levels, soak = serve_levels(path, name, messages, [int(c) for c in args.concurrency.split(",")], args.soak)
+        same_live = {}
+        for c in concurrency:
+            same_live[c] = run_baseline(path, args.problems, live=c)[0]
+            print(json.dumps({"run_live": same_live[c]}), file=sys.stderr, flush=True)
+        levels, soak = serve_levels(path, name, messages, concurrency, args.soak)
     for lv in levels:
         lv["vs_run"] = round(lv["problems_per_min"] / run["problems_per_min"], 3)
+        lv["run_same_live"] = same_live[lv["concurrency"]]
+        lv["vs_run_same_live"] = round(lv["problems_per_min"] / same_live[lv["concurrency"]]["problems_per_min"], 3)
     result = {"bench": "serve_throughput", "command": " ".join(["python"] + sys.argv),
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
               "load_avg": os.getloadavg(), "pipeline": str(args.pipeline or "kvflow.testing tiny (bench.jsonl)"),

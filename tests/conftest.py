@@ -93,12 +93,16 @@ def committed_steps(run_dir) -> dict:
 
 @pytest.fixture(scope="module")
 def sglang_engine(shared_tiny_qwen):
-    """The SGLang engine on `shared_tiny_qwen` (float32, CPU): one worker for the session."""
+    """The SGLang engine on `shared_tiny_qwen` (float32, CPU): one worker for the session,
+    held by each module that uses it (released at the module's end: idle, it is reused by the
+    next module that asks for it, or closed when another worker has to start)."""
     require_sglang()
     from kvflow.backends.sglang import SGLangBackend
     from kvflow.config.schema import ModelConfig
 
-    return SGLangBackend.load(ModelConfig(backend="sglang", id=str(shared_tiny_qwen), dtype="float32", device="cpu"))
+    engine = SGLangBackend.load(ModelConfig(backend="sglang", id=str(shared_tiny_qwen), dtype="float32", device="cpu"))
+    yield engine
+    engine.close()
 
 
 @pytest.fixture(scope="module")

@@ -137,11 +137,16 @@ def _greedy_rescue(tmp_path, helper_backend: str, helper_dir, **kw):
 
 def test_kv_rescue_with_the_helper_on_sglang_commits_what_hf_commits(tmp_path, cli, shared_tiny_qwen):
     require_sglang()
+    from kvflow.backends.sglang.client import _SHARED
+
     runs = {}
     for backend in ("hf", "sglang"):  # the helper on the session's model: its SGLang engine is running
         path = _greedy_rescue(tmp_path, backend, shared_tiny_qwen)
+        held = {key: w.holders for key, w in _SHARED.items()}
         result = cli("run", path)
         assert result.exit_code == 0, result.output
+        # the finished run's Session closed its engines: it holds no worker any more
+        assert {key: w.holders for key, w in _SHARED.items()} == {key: held.get(key, 0) for key in _SHARED}
         (run_dir,) = [d for d in (tmp_path / "results").iterdir() if d.name.startswith(f"rescue_{backend}")]
         runs[backend] = committed_steps(run_dir)
         occupancy = json.loads((run_dir / "manifest.json").read_text())["occupancy"]

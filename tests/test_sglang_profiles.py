@@ -96,11 +96,14 @@ def test_a_full_context_engine_runs_no_kvflow_hook(shared_tiny_qwen):
 
     engine = SGLangBackend.load(ModelConfig(backend="sglang", id=str(shared_tiny_qwen), dtype="float32",
                                             device="cpu"), evicting=False)
-    state = engine.server_state()
-    assert state["evict_hooks"] is False and "profile" not in state and "observed_tokens" not in state
-    rkv = get_registry().get("evictors", "rkv")
-    with pytest.raises(EngineError, match="full-context"):
-        engine.start([StartRequest("hello", rkv(rkv.Params(budget=16, buffer=8, window=4)), 1)])
+    try:
+        state = engine.server_state()
+        assert state["evict_hooks"] is False and "profile" not in state and "observed_tokens" not in state
+        rkv = get_registry().get("evictors", "rkv")
+        with pytest.raises(EngineError, match="full-context"):
+            engine.start([StartRequest("hello", rkv(rkv.Params(budget=16, buffer=8, window=4)), 1)])
+    finally:
+        engine.close()
 
 
 def test_profiles_cover_what_they_serve():
@@ -154,3 +157,35 @@ def _check_rkv_engine(engine, ev, h2o, hf_engine):
     assert info["compactions"] >= 3 and info["observed_tokens"] > 0
     with pytest.raises(EngineError, match="observes attention"):
         engine.start([StartRequest("hello", h2o(h2o.Params(budget=16, buffer=8, window=4)), 1)])
+
+
+def test_a_released_worker_is_closed_before_another_starts_and_a_held_one_is_not(shared_tiny_qwen):
+    """Workers are shared per (arguments, profile) and kept while idle for reuse, but starting
+    another closes the idle ones first: a process (a test session, a sweep, `kvflow serve`)
+    never accumulates engines it no longer holds (each ~2 GB here; on a GPU, memory that the
+    next engine's KV pool is sized without)."""
+    from conftest import require_sglang
+
+    require_sglang()
+    from kvflow.backends.sglang import SGLangBackend
+    from kvflow.testing.engine_parity import shared_model_dir
+
+    def load(model, **engine):
+        return SGLangBackend.load(ModelConfig(backend="sglang", id=str(model), dtype="float32", device="cpu",
+                                              **({"engine": engine} if engine else {})), evicting=False)
+
+    first, other = load(shared_tiny_qwen), load(shared_model_dir("qwen2", seed=5))
+    try:
+        first.close()
+        again = load(shared_tiny_qwen)  # idle, same arguments: reused, not restarted
+        assert again.worker is first.worker and first.worker.holders == 1
+        again.close()
+        assert first.worker.proc.poll() is None  # idle: kept until another worker has to start
+        third = load(shared_tiny_qwen, max_total_tokens=2048)  # other arguments: a new worker
+        try:
+            assert first.worker.proc.poll() is not None, "the idle worker outlived the next start"
+            assert other.worker.proc.poll() is None, "a held worker was closed"
+        finally:
+            third.close()
+    finally:
+        other.close()

@@ -94,7 +94,7 @@ Candidates: `source` is the request's proposer, `index` 0..n-1, `problem` 0 (the
 a proposal's problem from its `tag`).
 
 Versions. Everything in this module, every member of `Engine` with the optional ones named
-on it (`evicts`, `exact_entropy`, `settings()`, `kept_kv()`) and the backend's side (`check`,
+on it (`evicts`, `exact_entropy`, `settings()`, `kept_kv()`, `close()`) and the backend's side (`check`,
 `load` and its `evicting` keyword, `check_evictor`) are part of the protocol as of kvflow 0.1;
 `load`'s `evictors` keyword is optional (the compiler passes it only to a `load` that
 declares it).
@@ -236,7 +236,9 @@ class Engine(Protocol):
     # optional: `evicts = False` for an engine that runs full-context proposers only, and
     # `exact_entropy = False` for one that estimates entropies (the contract suite adapts),
     # `streams = True` for one whose decoding runs on its own (see "Overlap");
-    # `settings() -> dict` and, for an evicting engine, `kept_kv(state)` (docs/plugins.md)
+    # `settings() -> dict` and, for an evicting engine, `kept_kv(state)` (docs/plugins.md);
+    # `close()`: the holder is done with it (a Session's end; called once per model key that
+    # loaded it), so that a backend sharing engines between holders may free them
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` without special tokens."""

@@ -130,10 +130,6 @@ def build_plan(loaded: LoadedPipeline, registry, on_load: Callable[[str], None] 
     """Place the models on this machine's GPUs (`place_models`; `gpus` stands in for them in
     tests), load every distinct model once, as an engine of its backend, and instantiate the
     components. Returns (plan, engines by model key)."""
-    from kvflow.components.base import ScorerContext
-    from kvflow.components.engine import SamplingSpec
-    from kvflow.runtime.scheduler import Plan, Proposer
-
     loaded, placement = place_models(loaded, gpus)  # before any engine starts: refuses what cannot fit
     loaded = deterministic_engines(loaded)
     loaded = scorer_engines(loaded)
@@ -162,6 +158,28 @@ def build_plan(loaded: LoadedPipeline, registry, on_load: Callable[[str], None] 
                                                f"loaded: {type(e).__name__}: {e}",
                                                "check the checkpoint's files (config.json, weights, tokenizer)")) from e
         return engines[key]
+
+    try:
+        return _plan(loaded, pipe, placement, engines, engine_for)
+    except BaseException:
+        close_engines(engines)  # a refusal after some engines loaded leaves none held
+        raise
+
+
+def close_engines(engines: dict) -> None:
+    """Each model key's engine closed once (`Engine.close`, optional: the holder is done with
+    it), so that a backend sharing engines between holders (SGLang's workers) may free them."""
+    for engine in engines.values():
+        close = getattr(engine, "close", None)
+        if close is not None:
+            close()
+
+
+def _plan(loaded, pipe, placement, engines, engine_for):
+    """The proposers, scorer and committer of `build_plan` over its engines."""
+    from kvflow.components.base import ScorerContext
+    from kvflow.components.engine import SamplingSpec
+    from kvflow.runtime.scheduler import Plan, Proposer
 
     proposers = []
     for name, cfg in pipe.proposers.items():

@@ -49,6 +49,7 @@ class Session:
         try:
             torch.manual_seed(pipe.run.seed)
             self.plan, self.engines = compile_.build_plan(self.loaded, self.registry, on_load=self.on_load)
+            self._stack.callback(compile_.close_engines, self.engines)
             self.base = self.plan.proposers[0].engine
             self.occupancy = Occupancy()
             self.grader = self._stack.enter_context(Grader(timeout=pipe.run.grade_timeout))

@@ -57,6 +57,7 @@ class Worker:
         self.info: dict = {}
         self.key: Optional[tuple] = None  # its entry in the shared workers, if any
         self.evict: Optional[str] = None  # the decode profile it was started with (JSON), None: no kvflow hook
+        self.holders = 0  # engines handed out on it and not closed (`loading.load_engine`, `SGLangEngine.close`)
         self._ids = itertools.count()
         self._lock = threading.Lock()
 
@@ -186,17 +187,31 @@ def shared(engine_kwargs: dict, where: str, evict: Optional[str] = None) -> Work
     does not: no kvflow hook then), started on first use (closed at exit). A running worker
     with the same arguments whose profile covers the one asked for (`graph.Profile.covers`)
     serves too: a sweep, or a test session, starts one engine, not one per budget or evictor;
-    a full-context engine only ever shares a worker without kvflow's hooks."""
+    a full-context engine only ever shares a worker without kvflow's hooks. Starting a new
+    worker first closes the idle ones (`close_idle`)."""
     args = tuple(sorted((k, repr(v)) for k, v in engine_kwargs.items()))
     key = (*args, ("kvflow_evict", evict))
     worker = _SHARED.get(key)
     if (worker is None or worker.proc.poll() is not None) and evict is not None:
         worker = _covering(args, evict)
     if worker is None or worker.proc.poll() is not None:
+        close_idle()  # before the new one sizes its KV pool from the memory left free
         worker = Worker.start(engine_kwargs, where, evict)
         worker.key = key
         _SHARED[key] = worker
     return worker
+
+
+def close_idle() -> int:
+    """Close the shared workers no engine holds (every engine handed out on them was closed:
+    a finished Session's, a sweep's earlier point's); how many. An idle worker is kept for
+    reuse only until another worker has to start: on a GPU its memory would otherwise shrink
+    the next engine's KV pool (SGLang sizes it from the memory free at start), and on a CPU
+    every engine a process ever started would stay resident."""
+    idle = [w for w in list(_SHARED.values()) if w.holders <= 0]
+    for worker in idle:
+        worker.close()
+    return len(idle)
 
 
 def _covering(args: tuple, evict: str) -> Optional[Worker]:

@@ -143,6 +143,13 @@ class SGLangEngine(EvictedStates):
         return {"backend": self.backend, "sglang": self.worker.info.get("version"),
                 **{k: self.resolved[k] for k in RECORDED if k in self.resolved}}
 
+    def close(self) -> None:
+        """This holder is done with the engine (a Session's end): its worker, shared by every
+        holder of the same arguments, is closed once none holds it and another has to start
+        (`client.close_idle`), or at exit."""
+        self.reset()
+        self.worker.holders = max(0, self.worker.holders - 1)
+
     def reset(self) -> None:
         for r in self.running:
             for row in r.rows:

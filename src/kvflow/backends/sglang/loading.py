@@ -56,6 +56,7 @@ def load_engine(model_cfg, evicting: bool = True, evictors=None):
         engine.profile_shape = (kv_shape[0], max(1, kv_shape[1] // int(kwargs.get("tp_size") or 1)))
         _ENGINES[id(worker)] = engine
     engine.reset()
+    worker.holders += 1  # until this holder's `engine.close()`
     return engine
 
 
