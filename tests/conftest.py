@@ -194,6 +194,7 @@ SLOW_TESTS = {
     "test_an_engine_built_for_rkv_reads_no_kv_in_its_hook_and_keeps_hfs_tokens",  # an SGLang engine, 30 s
     "test_every_component_example_passes_its_contract_suite",  # 172 s: every contract suite, SGLang's too
     "test_sigkill_at_random_moments_resumes_exactly", "test_sigint_stops_cleanly_with_exit_130_and_resumes",
+    "test_a_released_worker_is_closed_before_another_starts_and_a_held_one_is_not",  # three SGLang engines
 }
 _SLOW_ID = re.compile(r"sglang|mkdocs", re.I)  # in the test's class, name or parameters (not its file)
 
