@@ -21,7 +21,7 @@ engines each time:
   (a cancellation), the server's resident memory (VmRSS) and /health's engine rows sampled
   every N/10 requests.
 
-    python bench/serve_throughput.py --problems 16 --concurrency 1,4,16 --soak 500
+    python bench/serve_throughput.py --problems 16 --concurrency 1,4,16 --soak 500 [--max-tokens 256]
     python bench/serve_throughput.py --pipeline pipelines/quickstart.yaml --problems 4 --concurrency 1,4
 
 Prints one JSON object (and writes it to `--out`).
@@ -46,12 +46,13 @@ from pathlib import Path
 KVFLOW = [sys.executable, "-c", "from kvflow.cli import main; main()"]
 
 
-def tiny(directory: Path, problems: int) -> Path:
-    """The tiny pipeline over `problems` questions (the four of kvflow.testing, varied)."""
+def tiny(directory: Path, problems: int, max_tokens: int = 64) -> Path:
+    """The tiny pipeline over `problems` questions (the four of kvflow.testing, varied), each
+    committing at most `max_tokens` tokens (in steps of at most 16)."""
     from kvflow.testing.pipelines import PROBLEMS, tiny_pipeline
 
-    path = tiny_pipeline(directory, problems=4, max_tokens=64, extra={
-        "limits": {"max_steps": 8}, "run": {"threads": 1, "batch_problems": 8, "live_problems": 16},
+    path = tiny_pipeline(directory, problems=4, max_tokens=max_tokens, extra={
+        "limits": {"max_steps": max(8, max_tokens // 8)}, "run": {"threads": 1, "batch_problems": 8, "live_problems": 16},
         "serve": {"queue": 64}})
     data = directory / "bench.jsonl"
     data.write_text("".join(json.dumps({"question": f"{q} (variant {i})", "answer": a}) + "\n"
@@ -232,6 +233,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pipeline", type=Path, help="a pipeline file (default: kvflow.testing's tiny one)")
     ap.add_argument("--problems", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=64,
+                    help="the tiny pipeline's committed tokens per problem (longer problems: less of a "
+                         "request's time is HTTP and streaming)")
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--soak", type=int, default=0, help="requests of the memory/rows soak (0: none)")
     ap.add_argument("--out", type=Path, default=Path("docs/results/bench/serve_throughput.json"))
@@ -240,7 +244,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        path = args.pipeline or tiny(Path(tmp), args.problems)
+        path = args.pipeline or tiny(Path(tmp), args.problems, args.max_tokens)
         from kvflow.config.validate import load_pipeline
 
         name = load_pipeline(path).pipeline.name

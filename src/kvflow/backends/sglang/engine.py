@@ -116,9 +116,11 @@ class SGLangEngine(EvictedStates):
     def close(self) -> None:
         """This holder is done with the engine (a Session's end): its worker, shared by every
         holder of the same arguments, is closed once none holds it and another has to start
-        (`client.close_idle`), or at exit."""
-        self.reset()
+        (`client.close_idle`), or at exit. A dead worker has nothing to abort: closing after
+        the engine died (a run or a server stopping on that fault) does not raise again."""
         self.worker.holders = max(0, self.worker.holders - 1)
+        if self.worker.proc.poll() is None:
+            self.reset()
 
     def reset(self) -> None:
         for r in self.running:
