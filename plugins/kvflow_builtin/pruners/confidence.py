@@ -29,8 +29,10 @@ compares signals, not windows). On Qwen2.5-Coder-0.5B-Instruct (teacher-forced, 
 the pruner contract's texts), 32-token windows of a coherent GSM8K solution had confidences of
 7.35 to 11.25, its own greedy text 10.1 to 12.2, a repetition loop 7.2 to 12.2 and gibberish
 4.0 to 7.2; 16-token windows overlapped between coherent text and gibberish. The default
-threshold 5.0 stops the flat, gibberish-like mode and nothing coherent; loops are confident
-and are `gzip`'s to stop. Calibrate it for a model with `kvflow calibrate` (direction: low).
+threshold 5.0 stops the flat, gibberish-like mode and nothing coherent; loops stay well above
+it and are `gzip`'s to stop. Calibrate it for a model with `kvflow calibrate` (direction: low),
+and check the proposal: on the CPU reproduction's calibration split the valley fell between
+two modes of coherent and looping text (docs/reproduction.md#confidence-calibration).
 
 Shapes: trace.confidences [rows, max_step_tokens], trace.n_tokens [rows] -> [rows] bool.
 """
