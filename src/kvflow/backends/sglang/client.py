@@ -57,7 +57,8 @@ class Worker:
         self.info: dict = {}
         self.key: Optional[tuple] = None  # its entry in the shared workers, if any
         self.evict: Optional[str] = None  # the decode profile it was started with (JSON), None: no kvflow hook
-        self.holders = 0  # engines handed out on it and not closed (`loading.load_engine`, `SGLangEngine.close`)
+        self.engine: Any = None  # the SGLangEngine over it, built once (`loading.load_engine`)
+        self.holders = 0  # times that engine was handed out and not closed (`load_engine`, `SGLangEngine.close`)
         self._ids = itertools.count()
         self._lock = threading.Lock()
 

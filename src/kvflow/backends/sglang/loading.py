@@ -5,11 +5,8 @@ the model's config (checked before the worker starts: no weight loaded), one sha
 
 from __future__ import annotations
 
-from typing import Any
 
 from kvflow.backends.sglang.settings import check_resolved, engine_kwargs, graph_problem, kv_layout_problem
-
-_ENGINES: dict[tuple, Any] = {}
 
 
 def load_engine(model_cfg, evicting: bool = True, evictors=None):
@@ -42,8 +39,8 @@ def load_engine(model_cfg, evicting: bool = True, evictors=None):
     worker = shared(kwargs, f"models entry {model_cfg.id!r} (backend sglang)",
                     profile.to_json() if profile is not None else None)
     check_resolved(worker.info.get("server_args") or {}, evicting)
-    engine = _ENGINES.get(id(worker))
-    if engine is None or engine.worker is not worker:
+    engine = worker.engine
+    if engine is None:
         from transformers import AutoTokenizer
 
         path = kwargs.get("tokenizer_path", kwargs["model_path"])
@@ -54,7 +51,7 @@ def load_engine(model_cfg, evicting: bool = True, evictors=None):
         engine.resolved = dict(worker.info.get("server_args") or {})
         engine.profile = Profile.from_json(worker.evict) if worker.evict else None  # the worker's (it may cover more)
         engine.profile_shape = (kv_shape[0], max(1, kv_shape[1] // int(kwargs.get("tp_size") or 1)))
-        _ENGINES[id(worker)] = engine
+        worker.engine = engine
     engine.reset()
     worker.holders += 1  # until this holder's `engine.close()`
     return engine
