@@ -9,8 +9,9 @@ engines each time:
   them, records not written; after one warm-up problem, as the server gets one warm-up
   request): problems per minute, and per problem the time from the start to its first
   committed step and to its end; once with the pipeline's own `run.live_problems` (16: every
-  problem in flight) and once per concurrency c with `--set run.live_problems=c` (a run that
-  keeps as many problems in flight as c clients do: the like-for-like baseline of serve at c);
+  problem in flight) and once per concurrency c with `--set run.live_problems=c` and
+  `run.batch_problems=min(c, 8)` (a run that keeps as many problems in flight as c clients
+  do: the like-for-like baseline of serve at c);
 - serve at each `--concurrency` c: a `kvflow serve` process on 127.0.0.1, c clients each
   streaming its next problem (the run's prompt, `seed` = its index, so the same trajectory)
   through POST /v1/chat/completions until all are answered: problems per minute from the
@@ -52,7 +53,8 @@ def tiny(directory: Path, problems: int, max_tokens: int = 64) -> Path:
     from kvflow.testing.pipelines import PROBLEMS, tiny_pipeline
 
     path = tiny_pipeline(directory, problems=4, max_tokens=max_tokens, extra={
-        "limits": {"max_steps": max(8, max_tokens // 8)}, "run": {"threads": 1, "batch_problems": 8, "live_problems": 16},
+        "limits": {"max_steps": max(8, max_tokens // 8)},
+        "run": {"threads": 1, "batch_problems": 8, "live_problems": 16},
         "serve": {"queue": 64}})
     data = directory / "bench.jsonl"
     data.write_text("".join(json.dumps({"question": f"{q} (variant {i})", "answer": a}) + "\n"
@@ -112,7 +114,8 @@ def run_baseline(path: Path, n: int, live: int | None = None) -> tuple[dict, lis
         wall = time.perf_counter() - t0
     ids = [p.id for p in problems]
     messages = [(int(p.id.rsplit("/", 1)[1]), template.messages(p.question)) for p in problems]
-    return ({"problems": n, "live_problems": loaded.pipeline.run.live_problems, "wall_s": round(wall, 3), "problems_per_min": round(60 * n / wall, 2),
+    return ({"problems": n, "live_problems": loaded.pipeline.run.live_problems, "wall_s": round(wall, 3),
+             "problems_per_min": round(60 * n / wall, 2),
              "first_step_p50_s": pct([first[i] for i in ids], 0.5), "first_step_p95_s": pct([first[i] for i in ids], 0.95),
              "done_p50_s": pct([end[i] for i in ids], 0.5), "done_p95_s": pct([end[i] for i in ids], 0.95)},
             messages)

@@ -107,8 +107,10 @@ class Server:
         return 0.0
 
 
-def start_server(directory: Path, *args: str, env: dict | None = None) -> Server:
-    pipeline = tiny_serving_pipeline(directory)
+def start_server(directory: Path, *args: str, env: dict | None = None, pipeline: Path | None = None,
+                 timeout: float = 180) -> Server:
+    """A `kvflow serve` process over `pipeline` (default: the tiny hf one), once /health answers."""
+    pipeline = pipeline or tiny_serving_pipeline(directory)
     port = free_port()
     record = directory / "served"
     log = directory / "serve.log"
@@ -118,7 +120,7 @@ def start_server(directory: Path, *args: str, env: dict | None = None) -> Server
     proc = subprocess.Popen([*KVFLOW, "serve", str(pipeline), "--port", str(port), "--record", str(record), *args],
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, env={**env, "KVFLOW_API_KEY": KEY})
     server = Server(proc, port, pipeline, record, log, env)
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             pytest.fail(f"kvflow serve exited {proc.returncode}:\n{log.read_text()}")

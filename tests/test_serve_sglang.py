@@ -21,9 +21,7 @@ from pathlib import Path
 
 import pytest
 from conftest import require_sglang
-from test_serve import (
-    KEY, KVFLOW, MAX_TOKENS, Server, _descendants, free_port, question_messages, wait_record,
-)
+from test_serve import KVFLOW, MAX_TOKENS, _descendants, question_messages, start_server, wait_record
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -46,30 +44,11 @@ def sglang_serving_pipeline(directory: Path) -> Path:
 def server(tmp_path_factory):
     require_sglang()
     directory = tmp_path_factory.mktemp("serve-sglang")
-    pipeline = sglang_serving_pipeline(directory)
-    port = free_port()
-    log = directory / "serve.log"
-    env = {**os.environ, "KVFLOW_API_KEY": KEY}
-    proc = subprocess.Popen([*KVFLOW, "serve", str(pipeline), "--port", str(port), "--record", str(directory / "served"),
-                             "--grace", "30"], stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
-    srv = Server(proc, port, pipeline, directory / "served", log, env)
-    deadline = time.monotonic() + 300  # an SGLang engine starts in ~20 s on this CPU
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"kvflow serve exited {proc.returncode}:\n{log.read_text()}")
-        try:
-            if httpx.get(srv.url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"kvflow serve did not start:\n{log.read_text()}")
-        time.sleep(0.2)
+    srv = start_server(directory, "--grace", "30", pipeline=sglang_serving_pipeline(directory), timeout=300)
     yield srv
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait(30)
+    if srv.proc.poll() is None:
+        srv.proc.kill()
+        srv.proc.wait(30)
 
 
 def _sglang_workers(pid: int) -> list[int]:
