@@ -63,6 +63,7 @@ class ConfidencePruner(Pruner):
     Params = ConfidenceParams
     signal_name = "group_confidence"
     needs_text = False
+    trace_fields = ("confidences",)
 
     def signal(self, trace):
         if trace.confidences is None:

@@ -303,6 +303,11 @@ class Pruner:
     #: False: `check()` and `signal()` never read `trace.texts`, so an engine may skip
     #: decoding the candidates' texts for them (the `hf` engine then does; added in kvflow 0.1).
     needs_text: ClassVar[bool] = True
+    #: the `StepTrace` fields added after kvflow's first engine protocol that `check()` or
+    #: `signal()` reads (`"logprobs"`, `"confidences"`: engine protocol 0.2): on an engine of an
+    #: older protocol, which does not fill them, the pipeline is refused before it decodes,
+    #: naming the pruner (`kvflow.components.engine.protocol_problem`; added with engine protocol 0.2).
+    trace_fields: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, params: PrunerParams) -> None:
         """kvflow builds one pruner per proposer as `Pruner(params)`, `params` its validated

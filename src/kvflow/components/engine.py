@@ -93,14 +93,19 @@ mutable state with another engine (two engines are two models).
 Candidates: `source` is the request's proposer, `index` 0..n-1, `problem` 0 (the caller knows
 a proposal's problem from its `tag`).
 
-Versions. Everything in this module, every member of `Engine` with the optional ones named
-on it (`evicts`, `exact_entropy`, `settings()`, `kept_kv()`, `close()`) and the backend's side (`check`,
-`load` and its `evicting` keyword, `check_evictor`) are part of the protocol as of kvflow 0.1;
-`load`'s `evictors` keyword is optional (the compiler passes it only to a `load` that
-declares it).
-A member added later says "added in kvflow X.Y" here and stays optional for engines (the
-scheduler checks for it), so an engine written against 0.1 keeps working; see
-docs/plugins.md, "Versions".
+Versions. An engine says which version of this protocol it was written to in its optional
+`protocol` attribute ("0.1" when it has none); `PROTOCOL_VERSION` is the version this kvflow
+speaks, and docs/changelog.md lists what each version changed and what an engine author must
+do about it. Protocol 0.1 is everything in this module as first documented: every member of
+`Engine` with the optional ones named on it (`evicts`, `exact_entropy`, `streams`,
+`settings()`, `kept_kv()`, `close()`) and the backend's side (`check`, `load` and its
+`evicting` and optional `evictors` keywords, `check_evictor`). Protocol 0.2 (kvflow 0.1.x,
+issue 34) adds what engines fill for pruners: `StepTrace.logprobs` and
+`StepTrace.confidences`, and `Candidate.confidences`. An engine that speaks an older
+protocol keeps working, deprecated (`check_protocol`: a FutureWarning at load), without the
+additions: the contract suite checks only what its version promised, and a pruner that reads
+a later `StepTrace` field (`Pruner.trace_fields`) is refused on it with the field's name
+before anything decodes (`protocol_problem`). See docs/plugins.md, "Versions".
 """
 
 from __future__ import annotations
@@ -112,6 +117,71 @@ from typing import Any, Optional, Protocol, Sequence, runtime_checkable
 from kvflow.components.base import Candidate, Evictor, Pruner
 
 State = Any  # an engine's handle of one problem's model state
+
+#: the engine protocol this kvflow speaks (see "Versions" above and docs/changelog.md)
+PROTOCOL_VERSION = "0.2"
+#: the protocol version in which each `StepTrace` field that a pruner may need was added
+#: (`Pruner.trace_fields`); the fields of 0.1 (entropies, n_tokens, texts) every engine fills
+TRACE_FIELDS_ADDED = {"logprobs": "0.2", "confidences": "0.2"}
+#: the oldest protocol still served (deprecated until then: a FutureWarning at load)
+OLDEST_SUPPORTED = "0.1"
+
+
+def protocol_of(engine: object) -> str:
+    """The protocol version an engine was written to: its `protocol` attribute, "0.1" without one."""
+    return str(getattr(engine, "protocol", "0.1"))
+
+
+def _version(v: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in v.split("."))
+
+
+def speaks(engine: object, version: str) -> bool:
+    """Whether `engine` was written to protocol `version` or a later one."""
+    return _version(protocol_of(engine)) >= _version(version)
+
+
+_WARNED_PROTOCOL: set[str] = set()
+
+
+def check_protocol(engine: object, *, once: bool = True) -> None:
+    """At load: an engine of an older protocol than this kvflow's runs, with a FutureWarning
+    (once per backend and process, unless `once=False`) that says what it lacks and where the changes are listed;
+    one of an unknown or newer protocol than this kvflow knows is refused (ValueError)."""
+    version = protocol_of(engine)
+    backend = getattr(engine, "backend", type(engine).__name__)
+    try:
+        parsed = _version(version)
+    except ValueError:
+        raise ValueError(f"engine of backend {backend!r}: protocol {version!r} is not a version "
+                         f"(kvflow speaks engine protocol {PROTOCOL_VERSION})") from None
+    if parsed > _version(PROTOCOL_VERSION):
+        raise ValueError(f"engine of backend {backend!r} speaks engine protocol {version}, newer than this "
+                         f"kvflow's {PROTOCOL_VERSION}: upgrade kvflow")
+    if parsed < _version(OLDEST_SUPPORTED):
+        raise ValueError(f"engine of backend {backend!r} speaks engine protocol {version}; this kvflow serves "
+                         f"{OLDEST_SUPPORTED} to {PROTOCOL_VERSION} (docs/changelog.md says what to change)")
+    if parsed < _version(PROTOCOL_VERSION) and (not once or backend not in _WARNED_PROTOCOL):
+        _WARNED_PROTOCOL.add(backend)
+        import warnings
+
+        missing = sorted(f for f, v in TRACE_FIELDS_ADDED.items() if _version(v) > parsed)
+        warnings.warn(
+            f"backend {backend!r} speaks engine protocol {version} (deprecated; kvflow speaks {PROTOCOL_VERSION}): "
+            f"it runs, but fills no StepTrace {', '.join(missing)} (pruners that read them are refused on it) "
+            f"and no Candidate.confidences. Set `protocol = \"{PROTOCOL_VERSION}\"` on the engine once it fills "
+            f"them; docs/changelog.md lists each change and what to do", FutureWarning, stacklevel=2)
+
+
+def protocol_problem(engine: object, pruner_cls: type) -> Optional[str]:
+    """Why a pruner cannot run on an engine (None if it can): it reads `StepTrace` fields
+    (`Pruner.trace_fields`) added after the protocol the engine speaks."""
+    needed = [f for f in getattr(pruner_cls, "trace_fields", ()) if not speaks(engine, TRACE_FIELDS_ADDED.get(f, "0.1"))]
+    if not needed:
+        return None
+    return (f"reads StepTrace.{', StepTrace.'.join(needed)}, which backend {getattr(engine, 'backend', '?')!r} "
+            f"does not fill (it speaks engine protocol {protocol_of(engine)}; the fields came with "
+            f"{max(TRACE_FIELDS_ADDED[f] for f in needed)})")
 
 
 def row_seed(*parts: object) -> int:

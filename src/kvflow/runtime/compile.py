@@ -130,6 +130,8 @@ def build_plan(loaded: LoadedPipeline, registry, on_load: Callable[[str], None] 
     """Place the models on this machine's GPUs (`place_models`; `gpus` stands in for them in
     tests), load every distinct model once, as an engine of its backend, and instantiate the
     components. Returns (plan, engines by model key)."""
+    from kvflow.components.engine import check_protocol
+
     loaded, placement = place_models(loaded, gpus)  # before any engine starts: refuses what cannot fit
     loaded = deterministic_engines(loaded)
     loaded = scorer_engines(loaded)
@@ -157,6 +159,10 @@ def build_plan(loaded: LoadedPipeline, registry, on_load: Callable[[str], None] 
                 raise UserError(loaded.problem(f"models.{key}.id", f"model {pipe.models[key].id!r} could not be "
                                                f"loaded: {type(e).__name__}: {e}",
                                                "check the checkpoint's files (config.json, weights, tokenizer)")) from e
+            try:  # an engine of an older protocol runs, deprecated (a FutureWarning); an unknown one is refused
+                check_protocol(engines[key])
+            except ValueError as e:
+                raise UserError(loaded.problem(f"models.{key}.backend", str(e))) from None
         return engines[key]
 
     try:
@@ -164,6 +170,22 @@ def build_plan(loaded: LoadedPipeline, registry, on_load: Callable[[str], None] 
     except BaseException:
         close_engines(engines)  # a refusal after some engines loaded leaves none held
         raise
+
+
+def refuse_unfilled_trace_fields(loaded: LoadedPipeline, proposer: str, pruners, engine) -> None:
+    """A pruner that reads `StepTrace` fields its proposer's engine does not fill (an engine of
+    an older protocol: `Pruner.trace_fields`) is refused, naming it, before anything decodes."""
+    from kvflow.components.engine import protocol_problem
+
+    problems = []
+    for i, pruner in enumerate(pruners):
+        why = protocol_problem(engine, pruner.cls)
+        if why:
+            problems.append(loaded.problem(
+                f"proposers.{proposer}.pruners[{i}]", f"pruner '{pruner.name}' {why}",
+                "run this proposer on an engine of that protocol (hf and sglang are), or drop the pruner"))
+    if problems:
+        raise UserError(problems)
 
 
 def close_engines(engines: dict) -> None:
@@ -191,6 +213,7 @@ def _plan(loaded, pipe, placement, engines, engine_for):
             record_signals=pipe.run.record_signals,
         )
         engine = engine_for(cfg.model)
+        refuse_unfilled_trace_fields(loaded, name, comps.pruners, engine)
         evictor_params = resolve_budget_bytes(loaded, name, comps.evictor.params, engine.kv_shape())
         evictor = comps.evictor.cls(evictor_params)
         check_allocation(loaded, name, evictor, engine.kv_shape()[0])

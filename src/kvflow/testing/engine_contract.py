@@ -47,7 +47,9 @@ what a user relies on:
 
 An engine whose entropies are estimates sets `exact_entropy = False` (entropies are then
 compared within 2%), one that runs full-context proposers only `evicts = False` (the
-evicting cases skip).
+evicting cases skip). The suite checks what the engine's protocol version (`protocol`,
+"0.1" when absent; docs/changelog.md) promised: token confidences from 0.2 on. An engine of
+an older protocol than kvflow's passes with a FutureWarning that says what it lacks.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ from __future__ import annotations
 import pytest
 
 from kvflow.components.base import CONFIDENCE_TOP_K, Pruner, PrunerParams, Step, StepTrace, Trajectory
-from kvflow.components.engine import Engine, ProposeRequest, SamplingSpec, StartRequest, SyncRequest
+from kvflow.components.engine import (PROTOCOL_VERSION, Engine, ProposeRequest, SamplingSpec, StartRequest,
+                                     SyncRequest, check_protocol, speaks)
 
 QUESTIONS = ["How many clips did Natalia sell?", "Natalia sold 48 clips in April. How many in May?",
              "What is 48 / 2 + 24?"]
@@ -233,6 +236,20 @@ class EngineContract:
         layers, heads, dim, elem = engine.kv_shape()
         assert layers >= 1 and heads >= 1 and dim >= 1 and elem in (2, 4)
 
+    def test_speaks_a_served_protocol(self, engine):
+        """The engine's `protocol` is one this kvflow serves; an older one than kvflow's is
+        deprecated: loading it warns (FutureWarning), naming what it does not fill."""
+        import warnings
+
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            check_protocol(engine, once=False)
+        deprecated = [w for w in seen if issubclass(w.category, FutureWarning)]
+        if speaks(engine, PROTOCOL_VERSION):
+            assert not deprecated
+        else:
+            assert deprecated and "docs/changelog.md" in str(deprecated[0].message)
+
     def evictor(self, engine, kind: str, budget: int = 400):
         """The full cache, or an evicting one (skips the test on an engine that does not evict)."""
         if kind == "full":
@@ -255,8 +272,10 @@ class EngineContract:
             assert c.logprobs == pytest.approx(logprobs[: c.n_tokens], abs=1e-4)  # the model's own, temperature 1
             # at temperature 0 the entropy is the temperature-1 distribution's (not greedy's point mass)
             assert c.entropies == pytest.approx(entropies[: c.n_tokens], **self.entropy_tolerance(engine))
-            assert c.confidences == pytest.approx(confidences[: c.n_tokens], abs=1e-4), (
-                "token confidences are not minus the mean top-20 temperature-1 log-probability (exact on every engine)")
+            if speaks(engine, "0.2"):  # Candidate.confidences: engine protocol 0.2
+                assert c.confidences == pytest.approx(confidences[: c.n_tokens], abs=1e-4), (
+                    "token confidences are not minus the mean top-20 temperature-1 log-probability (exact on every "
+                    "engine)")
             assert c.finish == ("eos" if c.token_ids[-1] == self.eos(reference) else "max_step_tokens")
         engine.release(states, proposals)
         assert engine.busy_rows() == 0
@@ -281,9 +300,11 @@ class EngineContract:
             probs = torch.softmax(logits / temperature, dim=-1)
             entropy = -(probs * probs.log()).nan_to_num().sum(-1)
             confidence = -logp.topk(min(CONFIDENCE_TOP_K, logp.shape[-1]), dim=-1).values.mean(-1)  # temperature 1
-            assert c.confidences == pytest.approx(confidence.tolist(), abs=1e-4), (
-                f"candidate {c.index}: token confidences are not those of the model's own distribution (minus "
-                f"the mean top-{CONFIDENCE_TOP_K} temperature-1 log-probability), whatever the temperature and top-p")
+            if speaks(engine, "0.2"):  # Candidate.confidences: engine protocol 0.2
+                assert c.confidences == pytest.approx(confidence.tolist(), abs=1e-4), (
+                    f"candidate {c.index}: token confidences are not those of the model's own distribution (minus "
+                    f"the mean top-{CONFIDENCE_TOP_K} temperature-1 log-probability), whatever the temperature and "
+                    f"top-p")
             for k, token in enumerate(c.token_ids):
                 before = float(probs[k][probs[k] > probs[k, token]].sum())  # mass of the more probable tokens
                 assert before < top_p + NUCLEUS_SLACK, (

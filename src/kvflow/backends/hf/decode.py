@@ -113,6 +113,7 @@ class HFEngine:
     """The `hf` backend's engine over one loaded model (see the module docstring)."""
 
     backend = "hf"
+    protocol = "0.2"  # engine protocol (kvflow.components.engine.PROTOCOL_VERSION): fills confidences
 
     def __init__(self, runner: HFRunner, clock=NULL_CLOCK) -> None:
         self.runner = runner

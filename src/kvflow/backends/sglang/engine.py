@@ -72,6 +72,7 @@ class SGLangEngine(EvictedStates):
     """One model served by an SGLang worker process (see the module docstring)."""
 
     backend = "sglang"
+    protocol = "0.2"  # engine protocol (kvflow.components.engine.PROTOCOL_VERSION): fills confidences
     exact_entropy = False  # estimated from the top-k logprobs (entropy_estimate)
     streams = True  # decoding runs in the worker process: step() reads what arrived (the scheduler overlaps it)
 
