@@ -33,7 +33,7 @@ from typing import Any, Optional, Sequence
 
 from kvflow.backends.sglang.client import EngineError, Worker
 from kvflow.backends.sglang.evicted import EvictedState, EvictedStates
-from kvflow.backends.sglang.signals import entropy_estimate, token_confidence
+from kvflow.backends.signals import entropy_estimate, token_confidence
 from kvflow.components.base import CONFIDENCE_TOP_K, Candidate, StepTrace
 from kvflow.components.engine import Proposal, ProposeRequest, StartRequest, SyncRequest, delimiter_scan, row_seed
 from kvflow.timing import NULL_CLOCK
@@ -438,7 +438,7 @@ class SGLangEngine(EvictedStates):
     # ------------------------------------------------------------------ scoring
 
     def scoring_session(self):
-        from kvflow.backends.sglang.scoring import ScoringSession
+        from kvflow.backends.prompt_logprobs import ScoringSession
 
         return ScoringSession(self)
 
