@@ -66,3 +66,11 @@ def test_vllm_is_found_by_its_environment_variable_or_beside_kvflow(tmp_path, mo
     (tmp_path / ".venv-vllm" / "bin").mkdir(parents=True)
     (tmp_path / ".venv-vllm" / "bin" / "python").write_text("")
     assert settings.vllm_python() == tmp_path / ".venv-vllm" / "bin" / "python"
+
+
+def test_run_deterministic_with_a_model_on_vllm_is_refused(tmp_path, cli):
+    path = tiny_pipeline(tmp_path, problems=1, extra={"models": {"helper": {"backend": "vllm"}},
+                                                      "run": {"deterministic": True}})
+    result = cli("run", path)
+    assert result.exit_code == 2, result.output
+    assert "run.deterministic" in result.output and "models.helper runs on vLLM" in result.output, result.output
