@@ -84,7 +84,8 @@ def test_likelihood_scores_equal_hf(vllm_engine, hf_on_vllm_model):
 
 def test_a_pruned_candidate_is_aborted_in_the_engine(vllm_engine):
     """A candidate kvflow prunes at its 4th token stops in vLLM too: of the 400 tokens it may
-    make, vLLM makes only the few it had decoded before the abort arrived (counted, not used)."""
+    make, vLLM makes only the few it had decoded before the abort arrived (counted, not used).
+    (A row that vLLM ended itself, on EOS, before kvflow read its 4th token needs no abort.)"""
     spec = SamplingSpec(2, 1.0, 1.0, 400, "\x00\x01", pruners=(("stop4", _StopAt(4)),))
     (state,) = vllm_engine.start([StartRequest(chat_prompt(vllm_engine), _full(), 1)])
     before = dict(vllm_engine.counters)
@@ -93,9 +94,10 @@ def test_a_pruned_candidate_is_aborted_in_the_engine(vllm_engine):
     assert [c.finish for c in p.candidates] == ["pruned:stop4"] * 2
     assert [c.n_tokens for c in p.candidates] == [4, 4]
     after = vllm_engine.counters
-    assert after["aborted"] - before["aborted"] == 2, (before, after)
+    assert 1 <= after["aborted"] - before["aborted"] <= 2, (before, after)
     made_after_stop = after["tokens_after_stop"] - before["tokens_after_stop"]
-    assert 0 <= made_after_stop < 396, f"vLLM made {made_after_stop} tokens after the stop: the abort did not reach it"
+    # 1 to 33 seen here on a loaded machine (the worker steps on while kvflow reads); ~400 without the abort
+    assert 0 <= made_after_stop < 200, f"vLLM made {made_after_stop} tokens after the stop: the abort did not reach it"
 
 
 def test_the_prefix_is_served_from_the_prefix_cache(vllm_engine):

@@ -192,11 +192,13 @@ class VLLMEngine(StreamedRows):
         with self.clock.phase("prune"):
             for running, arrivals in fresh.values():
                 self._advance(running, arrivals)
-        for row, reason in ends:
+        for row, reason, made in ends:
             if row.finish is None:  # the engine stopped it first: EOS or the cap (kvflow saw the tokens)
                 row.finish = "eos" if row.tokens and row.tokens[-1] in self.eos_ids else "max_step_tokens"
                 if reason == "abort":
                     raise EngineError(f"{self.worker.where}: vLLM aborted request {row.rid} (kvflow did not)")
+            else:  # kvflow stopped it on tokens that came with the engine's own end: nothing left to abort
+                self.counters["tokens_after_stop"] += max(0, made - len(row.tokens))
         return rows
 
     def _dispatch(self, msg, fresh, ends) -> None:
@@ -217,7 +219,7 @@ class VLLMEngine(StreamedRows):
             entry[1].append((row, list(zip(msg[2], msg[3], msg[4]))))
         elif kind == "end":
             self._count_prefix(msg[3])
-            ends.append((row, msg[2]))
+            ends.append((row, msg[2], msg[3].get("completion_tokens") or 0))
             self._rows.pop(rid, None)
         elif kind == "error":
             raise EngineError(f"{self.worker.where}: vLLM request failed: {msg[2]}")
