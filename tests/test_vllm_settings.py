@@ -74,3 +74,12 @@ def test_run_deterministic_with_a_model_on_vllm_is_refused(tmp_path, cli):
     result = cli("run", path)
     assert result.exit_code == 2, result.output
     assert "run.deterministic" in result.output and "models.helper runs on vLLM" in result.output, result.output
+
+
+def test_explain_says_how_vllm_serves_the_model(tmp_path, cli):
+    path = tiny_pipeline(tmp_path, problems=1, extra={"models": {"helper": {"backend": "vllm"}},
+                                                      "scorer": {"kind": "likelihood", "model": "helper"}})
+    result = cli("explain", path)
+    assert result.exit_code == 0, result.output
+    assert "models helper [vllm]: helper" in result.output and "scorer likelihood" in result.output
+    assert "vLLM in a worker process" in result.output and "logprobs_mode=raw_logprobs" in result.output
