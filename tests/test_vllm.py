@@ -142,10 +142,34 @@ def test_kv_rescue_with_the_helper_on_vllm_commits_what_hf_commits(tmp_path, cli
     assert any(src == "helper" for steps in runs["hf"].values() for _, src, _ in steps)
 
 
-def test_a_closed_worker_leaves_no_process(vllm_engine):
-    """Closing a worker stops it and everything in its process group (the last test here: the
-    next user of the model starts a new worker)."""
-    worker = vllm_engine.worker
+def test_a_killed_worker_stops_the_engine_clearly_and_leaves_no_process(vllm_engine):
+    """A worker that dies mid-proposal (killed here) turns into an EngineError naming the model
+    entry, the exit and the end of its log, and nothing of its process group is left."""
+    import signal
+
+    from kvflow.backends.vllm.client import EngineError
+
+    (state,) = vllm_engine.start([StartRequest(chat_prompt(vllm_engine), _full(), 1)])
+    vllm_engine.submit([ProposeRequest(state, "base", SamplingSpec(2, 1.0, 1.0, 400, "\x00\x01"), 3, 1000)])
+    vllm_engine.step()
+    pid = vllm_engine.worker.proc.pid
+    os.killpg(pid, signal.SIGKILL)
+    with pytest.raises(EngineError) as err:
+        for _ in range(10_000):
+            vllm_engine.step()
+    message = str(err.value)
+    assert "backend vllm" in message and "the vLLM worker exited" in message and "rerun to resume" in message
+    assert "end of the worker's log" in message
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pid, 0)
+
+
+def test_a_closed_worker_leaves_no_process():
+    """Closing a worker stops it and everything in its process group (the last test here, on a
+    worker of its own: the one before killed the shared one)."""
+    require_vllm()
+    engine = load_engine("vllm")
+    worker = engine.worker
     pid = worker.proc.pid
     assert worker.proc.poll() is None
     worker.close()
