@@ -25,15 +25,12 @@ again with the cache capped before it (`logprob_start_len`), never guessed.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from kvflow.backends.sglang.client import EngineError
 from kvflow.components.engine import common_prefix
-
-if TYPE_CHECKING:
-    from kvflow.backends.sglang.engine import SGLangEngine
 
 
 class PositionValues:
