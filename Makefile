@@ -13,10 +13,11 @@ demo:
 # hatchling of the dev extra (offline-safe), --no-deps keeps the editable kvflow.
 EXAMPLE_PLUGINS := $(sort $(wildcard plugins/kvflow-example-*))
 
-# Install the dev, docs, ray and serve extras, SGLang and the example plugins, then run the test suite (which
-# also builds the docs, strict, and runs the example plugins' tests: see pyproject testpaths).
+# Install the dev, docs, ray and serve extras, SGLang, vLLM's own environment (.venv-vllm) and the example
+# plugins, then run the test suite (which also builds the docs, strict, and runs the example plugins'
+# tests: see pyproject testpaths).
 test:
-	bash scripts/install.sh dev,docs,sglang,ray,serve
+	bash scripts/install.sh dev,docs,sglang,ray,serve,vllm
 	$(VENV)/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps \
 		$(addprefix -e ,$(EXAMPLE_PLUGINS))
 	$(VENV)/bin/python -m pytest

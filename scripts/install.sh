@@ -5,6 +5,8 @@
 #   scripts/install.sh dev,docs,sglang   # plus SGLang (the `sglang` backend)
 #   scripts/install.sh ray        # plus Ray (run.executor: ray; any extras combine: dev,docs,sglang,ray,serve)
 #   scripts/install.sh serve      # plus FastAPI and uvicorn (`kvflow serve`)
+#   scripts/install.sh vllm       # plus vLLM's own environment, ./.venv-vllm (or $VLLM_VENV), for
+#                                 # `backend: vllm` (combines: dev,docs,sglang,ray,serve,vllm)
 # torch: with an NVIDIA GPU, PyPI's default (CUDA) build; without one, the CPU build of
 # torch 2.13.0 (set KVFLOW_TORCH_INDEX to a CPU wheel index where PyPI would give CUDA).
 # sglang: SGLang 0.5.23 needs torch 2.14.1 (PyPI's build, which also runs on a CPU). With a GPU
@@ -14,11 +16,16 @@
 # is constrained to one tested combination, scripts/constraints-gpu.txt (SGLang's own pins,
 # transformers 5.19.0 included, which kvflow's range >=5.17 admits); without one, transformers
 # stays at the newest of kvflow's range (5.24 in kvflow's CI, which runs SGLang on it).
+# vllm: vLLM cannot share SGLang's torch, so it gets a venv of its own (scripts/install-vllm.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-}"
 venv="${VENV:-.venv}"
 python="${PYTHON:-python3}"
+
+vllm=0
+case ",$extras," in *,vllm,*) vllm=1 ;; esac
+extras=$(echo "$extras" | tr ',' '\n' | { grep -vx vllm || true; } | paste -sd, -)  # not a pip extra: its own venv
 
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
@@ -28,7 +35,7 @@ gpu=0
 command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && gpu=1
 sglang=0
 case ",$extras," in *,sglang,*) sglang=1 ;; esac
-extras=$(echo "$extras" | tr ',' '\n' | grep -vx sglang | paste -sd, -)  # not a pip extra: see above
+extras=$(echo "$extras" | tr ',' '\n' | { grep -vx sglang || true; } | paste -sd, -)  # not a pip extra: see above
 constraints=()
 if [ "$sglang" = 1 ] && [ "$gpu" = 1 ]; then
   constraints=(-c scripts/constraints-gpu.txt)  # one tested combination: see its header
@@ -79,4 +86,6 @@ if [ "$sglang" = 1 ]; then
   # CPU: back to kvflow's own transformers/tokenizers range; GPU: the constrained set again
   "${pip[@]}" install -q -e "$spec" ${constraints[@]+"${constraints[@]}"}
 fi
+
+[ "$vllm" = 1 ] && GPU="$gpu" PYTHON="$python" bash scripts/install-vllm.sh
 "$venv/bin/kvflow" --version

@@ -72,6 +72,18 @@ def require_sglang() -> None:
         pytest.skip(why)
 
 
+def require_vllm() -> None:
+    """Skip a test that needs vLLM's environment (`.venv-vllm`, or `KVFLOW_VLLM_PYTHON`) where it
+    is missing, except in CI (`CI` set), where `make test` installs it."""
+    from kvflow.backends.vllm.settings import check_installed
+
+    why = check_installed()
+    if why:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI runs the vLLM tests, but: {why}")
+        pytest.skip(why)
+
+
 @pytest.fixture(scope="session")
 def shared_tiny_qwen():
     """One tiny Qwen2 directory for the whole session, so that every SGLang test on it shares
@@ -177,11 +189,12 @@ def pytest_configure(config):
 # every module at unit level, hf engines on tiny random models in-process included. A test is
 # slow if its file is in SLOW_FILES (suites of engine or end-to-end runs), it uses a fixture of
 # SLOW_FIXTURES, its function is in SLOW_TESTS (measured: seconds each, or an engine start), its
-# class, name or parameters name SGLang (`[rkv-sglang]`, `...OnSGLang`) or mkdocs, or it is `e2e`.
+# class, name or parameters name SGLang (`[rkv-sglang]`, `...OnSGLang`), vLLM (`[vllm]`) or mkdocs, or it is `e2e`.
 SLOW_FILES = {
     "test_deterministic.py", "test_e2e.py", "test_placement_pools.py", "test_scheduler_runs.py",
     "test_sglang.py", "test_sglang_data_parallel.py", "test_sglang_evicted.py", "test_sglang_gpu_settings.py",
     "test_sglang_scoring.py", "test_tutorials.py", "test_view_browser.py", "test_serve.py", "test_serve_sglang.py",
+    "test_vllm.py",
 }
 SLOW_FIXTURES = {"sglang_engine", "hf_engine", "ray_cluster", "shared_tiny_qwen"}
 SLOW_TESTS = {
@@ -196,7 +209,7 @@ SLOW_TESTS = {
     "test_sigkill_at_random_moments_resumes_exactly", "test_sigint_stops_cleanly_with_exit_130_and_resumes",
     "test_a_released_worker_is_closed_before_another_starts_and_a_held_one_is_not",  # three SGLang engines
 }
-_SLOW_ID = re.compile(r"sglang|mkdocs", re.I)  # in the test's class, name or parameters (not its file)
+_SLOW_ID = re.compile(r"sglang|vllm|mkdocs", re.I)  # in the test's class, name or parameters (not its file)
 
 
 def _slow(item) -> bool:

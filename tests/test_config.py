@@ -329,7 +329,7 @@ def test_all_problems_at_once_with_lines():
         (3, "models.base.backend"), (3, "models.base.dtyp"), (6, "proposers.base.n"),
         (7, "proposers.base.pruners[0].windw"), (7, "proposers.base.pruners[1].window"), (8, "scorer.model"),
     }
-    assert got[3, "models.base.backend"].message == "unknown backend 'vllm'"
+    assert got[3, "models.base.backend"].message == "unknown backend 'tensorrt'"
     assert got[3, "models.base.backend"].hint.startswith("installed backends: hf")
     assert "did you mean 'dtype'?" in got[3, "models.base.dtyp"].hint
     assert got[6, "proposers.base.n"].message.startswith("input should be greater than or equal to 1")

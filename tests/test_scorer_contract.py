@@ -4,7 +4,8 @@ A scorer that needs a model gets the contract's tiny one (`model: tiny`); `prm` 
 with its causal-LM protocol (`math-shepherd`), since a tiny Qwen2.5-Math-PRM checkpoint is
 tests/test_scorers.py's business. `likelihood` runs both ways: with a model, and on the
 candidates' own log-probabilities. Every scorer that declares backend `sglang` runs the suite
-again with its model on SGLang (one engine, the SGLang tests' shared tiny Qwen2).
+again with its model on SGLang (one engine, the SGLang tests' shared tiny Qwen2), and every one
+that declares `vllm` on vLLM (the vLLM tests' head_dim-32 tiny Qwen2).
 """
 
 from __future__ import annotations
@@ -33,12 +34,13 @@ class TestRegisteredScorers(ScorerContract):
         return lambda context, **params: cls(cls.Params(**{**params, **extra}), context)
 
 
-def _declares_sglang(name: str) -> bool:
+def _declares(name: str, backend: str) -> bool:
     allowed = getattr(get_registry().get("scorers", name), "backends", None)  # None: any engine
-    return allowed is None or "sglang" in allowed
+    return allowed is None or backend in allowed
 
 
-SGLANG_CASES = [(n, p) for n, p in CASES if p.get("model") and _declares_sglang(n)]
+SGLANG_CASES = [(n, p) for n, p in CASES if p.get("model") and _declares(n, "sglang")]
+VLLM_CASES = [(n, p) for n, p in CASES if p.get("model") and _declares(n, "vllm")]
 
 
 def test_scorers_on_sglang_are_covered():
@@ -52,6 +54,25 @@ class TestRegisteredScorersOnSGLang(ScorerContract):
                     ids=[f"{n}-{'-'.join(map(str, p.values()))}" for n, p in SGLANG_CASES])
     @classmethod
     def scorer_factory(cls, request):
+        name, extra = request.param
+        cls = get_registry().get("scorers", name)
+        return lambda context, **params: cls(cls.Params(**{**params, **extra}), context)
+
+
+def test_scorers_on_vllm_are_covered():
+    assert {n for n, _ in VLLM_CASES} >= {"likelihood"}
+
+
+class TestRegisteredScorersOnVLLM(ScorerContract):
+    contract_backend = "vllm"
+
+    @pytest.fixture(scope="class", params=VLLM_CASES,
+                    ids=[f"{n}-{'-'.join(map(str, p.values()))}" for n, p in VLLM_CASES])
+    @classmethod
+    def scorer_factory(cls, request):
+        from conftest import require_vllm
+
+        require_vllm()
         name, extra = request.param
         cls = get_registry().get("scorers", name)
         return lambda context, **params: cls(cls.Params(**{**params, **extra}), context)

@@ -60,3 +60,4 @@ def register_committers(register):
 def register_backends(register):
     register("hf", "kvflow.backends.hf:HFBackend")
     register("sglang", "kvflow.backends.sglang:SGLangBackend")
+    register("vllm", "kvflow.backends.vllm:VLLMBackend")

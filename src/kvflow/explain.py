@@ -337,6 +337,14 @@ def explain_lines(loaded: "LoadedPipeline", registry: Optional["Registry"] = Non
                           if evicted else "")
                        + "; where no GPU also " + ", ".join(f"{k}={v}" for k, v in cpu.items())
                        + " (docs/backends.md, \"Running on GPUs\")")
+        if backend == "vllm":
+            from kvflow.backends.vllm.settings import COMMON as VLLM_COMMON, CPU as VLLM_CPU
+
+            out.append("    vLLM in a worker process (its own environment: .venv-vllm or KVFLOW_VLLM_PYTHON); full "
+                       "context, prefix kept in its prefix cache; kvflow's defaults: "
+                       + ", ".join(f"{k}={v}" for k, v in VLLM_COMMON.items())
+                       + "; where no GPU also " + ", ".join(f"{k}={v}" for k, v in VLLM_CPU.items())
+                       + " (docs/backends.md, \"vLLM\")")
 
     if gpus:
         out.append("")

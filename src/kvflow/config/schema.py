@@ -58,7 +58,8 @@ class ModelConfig(Frozen):
         default_factory=dict,
         description="Engine settings passed to the backend as they are: SGLang's server arguments on "
         "`backend: sglang` (tp_size, dp_size, mem_fraction_static, attention_backend, context_length, ...); "
-        "none on `hf`.")
+        "vLLM's engine arguments on `backend: vllm` (max_model_len, kv_cache_memory_bytes, tensor_parallel_size, "
+        "...); none on `hf`.")
 
     @field_validator("id", "tokenizer")
     @classmethod

@@ -275,19 +275,23 @@ def scorer_engines(loaded: LoadedPipeline) -> LoadedPipeline:
 def deterministic_problems(loaded: LoadedPipeline) -> list:
     """`run.deterministic` where an engine cannot have it: SGLang's deterministic inference
     needs a GPU (it refuses the CPU's torch_native attention, and its seeded CPU kernel is not
-    on PyPI)."""
+    on PyPI); kvflow does not set up vLLM's batch-invariant mode (yet) on any device."""
     from kvflow.models.loading import resolve_device
 
     pipe = loaded.pipeline
     if not pipe.run.deterministic:
         return []
-    return [loaded.problem("run.deterministic", f"models.{key} runs on SGLang on the CPU, where SGLang has no "
-                                                "deterministic (batch-invariant) inference: it needs a GPU attention "
-                                                "backend (flashinfer, fa3 or triton)",
-                           f"unset run.deterministic, or put models.{key} on backend 'hf' (torch's deterministic "
-                           "algorithms)")
-            for key in used_models(loaded)
-            if pipe.models[key].backend == "sglang" and resolve_device(pipe.models[key].device) == "cpu"]
+    hint = "unset run.deterministic, or put models.{key} on backend 'hf' (torch's deterministic algorithms)"
+    problems = [loaded.problem("run.deterministic", f"models.{key} runs on SGLang on the CPU, where SGLang has no "
+                                                    "deterministic (batch-invariant) inference: it needs a GPU "
+                                                    "attention backend (flashinfer, fa3 or triton)", hint.format(key=key))
+                for key in used_models(loaded)
+                if pipe.models[key].backend == "sglang" and resolve_device(pipe.models[key].device) == "cpu"]
+    problems += [loaded.problem("run.deterministic", f"models.{key} runs on vLLM, whose batch-invariant inference "
+                                                     "kvflow does not set up: a candidate's tokens could depend on "
+                                                     "the batch it decodes in", hint.format(key=key))
+                 for key in used_models(loaded) if pipe.models[key].backend == "vllm"]
+    return problems
 
 
 def load_engine(backend, model_cfg, *, evicting: bool, evictors=()):

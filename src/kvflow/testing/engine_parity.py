@@ -36,16 +36,31 @@ def shared_model_dir(arch: str = "qwen2", seed: int = 3) -> Path:
     return tiny_model_dir(Path(tempfile.mkdtemp(prefix="kvflow-parity-")), arch, seed=seed)
 
 
+def contract_arch(backend: str) -> str:
+    """The tiny architecture (a key of `kvflow.testing.models.ARCHITECTURES`) the contract suites
+    run `backend` on: the backend's optional `contract_arch` attribute, else "qwen2" (an engine
+    whose kernels do not serve the smallest shapes names a larger one: vLLM's CPU attention
+    takes head_dim 32 and up)."""
+    from kvflow.registry import get_registry
+
+    return getattr(get_registry().get("backends", backend), "contract_arch", "qwen2")
+
+
+def backend_model_dir(backend: str) -> Path:
+    """The shared tiny model `backend` is compared with `hf` on (`contract_arch`, seed 3)."""
+    return shared_model_dir(contract_arch(backend), seed=3)
+
+
 def load_engine(backend: str, model_dir: Path | None = None):
-    """The engine of `backend` on the shared tiny model (float32, CPU); pytest skips when the
-    backend cannot run here (its own `check()` says why)."""
+    """The engine of `backend` on the shared tiny model (float32, CPU; `backend_model_dir` by
+    default); pytest skips when the backend cannot run here (its own `check()` says why)."""
     import pytest
 
     from kvflow.config.schema import ModelConfig
     from kvflow.registry import get_registry
 
     loader = get_registry().get("backends", backend)
-    cfg = ModelConfig(backend=backend, id=str(model_dir or shared_model_dir()), dtype="float32", device="cpu")
+    cfg = ModelConfig(backend=backend, id=str(model_dir or backend_model_dir(backend)), dtype="float32", device="cpu")
     why = loader.check(cfg)
     if why:
         pytest.skip(f"backend {backend!r} cannot run here: {why[1] if isinstance(why, tuple) else why}")
@@ -79,7 +94,7 @@ def assert_same_as_hf(backend: str, evictor: Any, tmp_dir: Path | None = None) -
     docstring); an AssertionError says what differed."""
     import torch
 
-    reference, other = load_engine("hf"), load_engine(backend)
+    reference, other = load_engine("hf", backend_model_dir(backend)), load_engine(backend)
     if hasattr(other, "dump_dir"):  # the engine keeps its states elsewhere: have them saved for kept_kv
         other.dump_dir = str(tmp_dir or tempfile.mkdtemp(prefix="kvflow-parity-kv-"))
     try:
@@ -165,7 +180,7 @@ def assert_pruner_same_as_hf(backend: str, name: str, make_pruner, tol: float = 
 
     from kvflow.components.base import StepTrace
 
-    reference, other = load_engine("hf"), load_engine(backend)
+    reference, other = load_engine("hf", backend_model_dir(backend)), load_engine(backend)
     want = pruned_greedy(reference, name, make_pruner())
     got = pruned_greedy(other, name, make_pruner())
     pruner = make_pruner()

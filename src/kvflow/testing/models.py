@@ -23,6 +23,8 @@ ARCHITECTURES = {
     "qwen2": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2)),
     "llama": ("LlamaConfig", dict(num_attention_heads=6, num_key_value_heads=3, hidden_size=96)),
     "mha": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=4)),
+    # head_dim 32: the smallest vLLM's CPU attention serves (its kernels take 32, 64, 80, ...)
+    "qwen2-hd32": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2, hidden_size=128)),
 }
 
 

@@ -113,9 +113,10 @@ class ScorerContract(ComponentContract):
 
     #: parameters every test passes to the factory (`model: tiny` for a scorer that needs one)
     contract_params: ClassVar[dict] = {}
-    #: the backend `models.tiny` is served by: "hf", or "sglang" (one SGLang engine on the tiny
-    #: model for the class; skipped where SGLang is not installed). Run the suite once per
-    #: backend the scorer declares (`Scorer.backends`).
+    #: the backend `models.tiny` is served by: "hf", or another registered backend ("sglang",
+    #: "vllm": one engine on the backend's contract model, `engine_parity.backend_model_dir`;
+    #: skipped where the backend cannot run here). Run the suite once per backend the scorer
+    #: declares (`Scorer.backends`).
     contract_backend: ClassVar[str] = "hf"
     params_base = ScorerParams
 
@@ -134,21 +135,24 @@ class ScorerContract(ComponentContract):
         from kvflow.config.schema import ModelConfig
         from kvflow.registry import get_registry
 
-        if cls.contract_backend == "sglang":
-            from kvflow.testing.engine_parity import shared_model_dir
+        if cls.contract_backend != "hf":
+            import inspect
 
-            # the tiny Qwen2 kvflow's SGLang tests share (one engine per process)
-            directory = shared_model_dir("qwen2", seed=3)
-            loader = get_registry().get("backends", "sglang")
-            cfg = ModelConfig(backend="sglang", id=str(directory), dtype="float32", device="cpu")
+            from kvflow.testing.engine_parity import backend_model_dir
+
+            # the tiny model kvflow's engine tests share for that backend (one engine per process)
+            backend = cls.contract_backend
+            loader = get_registry().get("backends", backend)
+            cfg = ModelConfig(backend=backend, id=str(backend_model_dir(backend)), dtype="float32", device="cpu")
             why = loader.check(cfg)
             if why:
-                pytest.skip(f"backend 'sglang' cannot run here: {why[1] if isinstance(why, tuple) else why}")
+                pytest.skip(f"backend {backend!r} cannot run here: {why[1] if isinstance(why, tuple) else why}")
             models = {MODEL_KEY: cfg}
+            full_context = {"evicting": False} if "evicting" in inspect.signature(loader.load).parameters else {}
 
             def load_session(key: str):
                 assert key == MODEL_KEY, f"the contract provides only models.{MODEL_KEY}, not models.{key}"
-                return loader.load(cfg, evicting=False).scoring_session()
+                return loader.load(cfg, **full_context).scoring_session()
 
             return lambda: ScorerContext(load_session=load_session, proposers=list(PROPOSERS), seed=0,
                                          delimiter="\n\n", models=models)

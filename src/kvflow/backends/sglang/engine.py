@@ -18,9 +18,10 @@ token on the same weights in float32.
 Logprobs are the model's own (temperature 1; SGLang's `SGLANG_RETURN_ORIGINAL_LOGPROB`);
 entropies are estimated from the top-`TOP_K` log-probabilities SGLang returns: the
 distribution at the sampling temperature over those tokens, plus the rest of the mass spread
-evenly over the rest of the vocabulary (`signals.entropy_estimate`; docs/backends.md gives its error).
+evenly over the rest of the vocabulary (`kvflow.backends.signals.entropy_estimate`; docs/backends.md gives its error).
 Token confidences (DeepConf's, `StepTrace.confidences`) are exact: minus the mean of the
-top-`CONFIDENCE_TOP_K` of those same log-probabilities (`signals.token_confidence`).
+top-`CONFIDENCE_TOP_K` of those same log-probabilities (`signals.token_confidence`). Stop rules,
+pruners and candidates over the streamed rows are `kvflow.backends.streamed`, shared with vLLM.
 """
 
 from __future__ import annotations
@@ -28,17 +29,16 @@ from __future__ import annotations
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from kvflow.backends.sglang.client import EngineError, Worker
 from kvflow.backends.sglang.evicted import EvictedState, EvictedStates
-from kvflow.backends.sglang.signals import entropy_estimate, token_confidence
-from kvflow.components.base import CONFIDENCE_TOP_K, Candidate, StepTrace
-from kvflow.components.engine import Proposal, ProposeRequest, StartRequest, SyncRequest, delimiter_scan, row_seed
+from kvflow.backends.streamed import TOP_K, Row, Running, StreamedRows
+from kvflow.components.base import CONFIDENCE_TOP_K
+from kvflow.components.engine import Proposal, ProposeRequest, StartRequest, SyncRequest, row_seed
 from kvflow.timing import NULL_CLOCK
 
-TOP_K = 20  # top log-probabilities per token, for the entropy estimate and the confidence
 assert TOP_K >= CONFIDENCE_TOP_K
 _POLL_S = 0.02  # longest wait for the engine per step() when rows are decoding
 
@@ -49,26 +49,7 @@ class SGLangState:
     dp_rank: Optional[int] = None  # dp_size > 1: the replica whose radix cache holds its prefix
 
 
-@dataclass
-class _Row:
-    rid: str
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    entropies: list[float] = field(default_factory=list)
-    confidences: list[float] = field(default_factory=list)
-    text: str = ""  # the token pieces so far (what pruners and the delimiter see)
-    finish: Optional[str] = None
-    signals: dict = field(default_factory=dict)
-    match: int = 0  # leading characters of the delimiter the text ends with
-    snap: Optional[str] = None  # evicted proposals: the snapshot the candidate leaves at its end
-
-
-class _Running:
-    def __init__(self, request: ProposeRequest, rows: list[_Row], cap: int) -> None:
-        self.request, self.rows, self.cap = request, rows, cap
-
-
-class SGLangEngine(EvictedStates):
+class SGLangEngine(EvictedStates, StreamedRows):
     """One model served by an SGLang worker process (see the module docstring)."""
 
     backend = "sglang"
@@ -83,8 +64,8 @@ class SGLangEngine(EvictedStates):
         self.clock = NULL_CLOCK
         self.label = ""
         self.waiting: deque[ProposeRequest] = deque()
-        self.running: list[_Running] = []
-        self._rows: dict[str, tuple[_Running, _Row]] = {}
+        self.running: list[Running] = []
+        self._rows: dict[str, tuple[Running, Row]] = {}
         self._scores: dict[str, Any] = {}
         self._pieces: dict[int, str] = {}
         self._used: dict[str, int] = {}  # rid -> tokens kvflow kept, of candidates it stopped
@@ -145,12 +126,6 @@ class SGLangEngine(EvictedStates):
 
     def kv_shape(self) -> tuple[int, int, int, int]:
         return self._kv_shape
-
-    def piece(self, token: int) -> str:
-        p = self._pieces.get(token)
-        if p is None:
-            p = self._pieces[token] = self.tokenizer.decode([token])
-        return p
 
     @property
     def dp_size(self) -> int:
@@ -273,9 +248,9 @@ class SGLangEngine(EvictedStates):
             req = self.waiting.popleft()
             spec = req.spec
             cap = min(spec.max_step_tokens, max(1, req.token_room))
-            running = _Running(req, [], cap)
+            running = Running(req, [], cap)
             for i in range(spec.n):
-                row = _Row(self.worker.new_rid("p"))
+                row = Row(self.worker.new_rid("p"))
                 running.rows.append(row)
                 self._rows[row.rid] = (running, row)
                 params = {"max_new_tokens": cap, "temperature": spec.temperature, "top_p": spec.top_p,
@@ -312,7 +287,7 @@ class SGLangEngine(EvictedStates):
     def _take(self, replies) -> int:
         """Apply replies: streamed tokens first (with stop rules and pruners), then the ends
         the engine reported. Returns the number of candidate rows that got tokens."""
-        fresh: dict[int, tuple[_Running, list[tuple[_Row, list]]]] = {}
+        fresh: dict[int, tuple[Running, list[tuple[Row, list]]]] = {}
         ends: list = []
         for msg in replies:
             self._dispatch(msg, fresh, ends)
@@ -364,59 +339,7 @@ class SGLangEngine(EvictedStates):
         self.counters["prompt_tokens"] += meta.get("prompt_tokens") or 0
         self.counters["cached_tokens"] += meta.get("cached_tokens") or 0
 
-    def _advance(self, running: _Running, arrivals: list) -> None:
-        """Apply the newly streamed tokens one position at a time, with the stop rules and the
-        pruners after each (as on `hf`), so a candidate ends exactly where `hf` would end it."""
-        spec = running.request.spec
-        queue: dict[int, tuple[_Row, deque]] = {}
-        for row, toks in arrivals:  # a row may have several messages in one poll
-            queue.setdefault(id(row), (row, deque()))[1].extend(toks)
-        while True:
-            live = [(row, q.popleft()) for row, q in queue.values() if q and row.finish is None]
-            if not live:
-                break
-            for row, (tok, lp, top) in live:
-                row.tokens.append(tok)
-                row.logprobs.append(lp)
-                row.entropies.append(entropy_estimate(top, spec.temperature, self.vocab_size))
-                row.confidences.append(token_confidence(top, self.vocab_size))
-                piece = self.piece(tok)
-                row.text += piece
-                if tok in self.eos_ids:
-                    row.finish = "eos"
-                elif spec.delimiter and _ends_delimiter(row, piece, spec.delimiter):
-                    row.finish = "delimiter"
-                elif len(row.tokens) >= running.cap:
-                    row.finish = "max_step_tokens"
-            rows = [row for row, _ in live if row.finish is None]
-            if spec.pruners and rows:
-                self._prune(spec, rows)
-            for row, _ in live:
-                if row.finish is not None and row.rid in self._rows:
-                    self._stop(row)
-
-    def _prune(self, spec, rows: list[_Row]) -> None:
-        import torch
-
-        width = max(len(r.entropies) for r in rows)
-        ent, lps, conf = (torch.zeros(len(rows), width) for _ in range(3))  # [rows, width] each
-        for i, r in enumerate(rows):
-            n = len(r.entropies)
-            ent[i, :n], lps[i, :n], conf[i, :n] = (torch.tensor(x) for x in (r.entropies, r.logprobs, r.confidences))
-        trace = StepTrace(ent, torch.tensor([len(r.tokens) for r in rows]), [r.text for r in rows],
-                          logprobs=lps, confidences=conf)
-        flagged = torch.zeros(len(rows), dtype=torch.bool)
-        recorded = {id(p) for _, p in spec.recorded()}
-        for name, pruner in spec.pruners:
-            if id(pruner) in recorded:
-                for r, v in zip(rows, pruner.signal(trace).tolist()):
-                    r.signals.setdefault(name, []).append(v)
-            hit = pruner.check(trace).cpu() & ~flagged
-            for i in hit.nonzero().flatten().tolist():
-                rows[i].finish = f"pruned:{name}"
-            flagged |= hit
-
-    def _stop(self, row: _Row) -> None:
+    def _stop(self, row: Row) -> None:
         """kvflow ended this candidate: stop it in the engine (unless the engine stops it too)."""
         self._rows.pop(row.rid, None)
         self._used[row.rid] = len(row.tokens)
@@ -424,22 +347,15 @@ class SGLangEngine(EvictedStates):
             self.worker.send("abort", row.rid)
             self.counters["aborted"] += row.finish.startswith("pruned:")
 
-    def _finish(self, r: _Running) -> Proposal:
-        cands = []
+    def _finish(self, r: Running) -> Proposal:
         self.counters["tokens_used"] += sum(len(row.tokens) for row in r.rows)
-        for i, row in enumerate(r.rows):
-            ids = row.tokens
-            text_ids = ids[:-1] if row.finish == "eos" else ids
-            cands.append(Candidate(problem=0, source=r.request.proposer, index=i, token_ids=list(ids),
-                                   text=self.tokenizer.decode(text_ids), logprobs=row.logprobs,
-                                   entropies=row.entropies, finish=row.finish, signals=row.signals,
-                                   confidences=row.confidences))
-        return Proposal(r.request, cands, handle=r.rows if isinstance(r.request.state, EvictedState) else None)
+        return Proposal(r.request, self._candidates(r),
+                        handle=r.rows if isinstance(r.request.state, EvictedState) else None)
 
     # ------------------------------------------------------------------ scoring
 
     def scoring_session(self):
-        from kvflow.backends.sglang.scoring import ScoringSession
+        from kvflow.backends.prompt_logprobs import ScoringSession
 
         return ScoringSession(self)
 
@@ -460,12 +376,6 @@ class SGLangEngine(EvictedStates):
             self._count_prefix(msg[3])
             out.append([float(x) for x in msg[2]])
         return out
-
-
-def _ends_delimiter(row: _Row, piece: str, delimiter: str) -> bool:
-    """Does this token's text complete the delimiter? (the row keeps its matcher state)"""
-    row.match, hit = delimiter_scan(delimiter, row.match, piece)
-    return hit
 
 
 def _engine_finish(reason: dict) -> str:

@@ -1,5 +1,6 @@
-"""Scoring on SGLang: per-position values for `prm` and `llm_judge` (issue 26, `PositionValues`),
-and candidate steps' token log-probabilities for `likelihood` (`ScoringSession`).
+"""Scoring on SGLang: per-position values for `prm` and `llm_judge` (issue 26, `PositionValues`).
+Candidate steps' token log-probabilities for `likelihood` come from SGLang's prompt
+log-probabilities through `kvflow.backends.prompt_logprobs.ScoringSession`.
 
 The same contract as `hf`'s `PrefixForward`: for each request (problem key, token ids,
 positions), a small head's outputs at those positions, [k, C] float32. Two kinds of head:
@@ -24,15 +25,12 @@ again with the cache capped before it (`logprob_start_len`), never guessed.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from kvflow.backends.sglang.client import EngineError
 from kvflow.components.engine import common_prefix
-
-if TYPE_CHECKING:
-    from kvflow.backends.sglang.engine import SGLangEngine
 
 
 class PositionValues:
@@ -113,29 +111,3 @@ class PositionValues:
             out[i] = (msg[2]["first"], msg[2]["values"])
         return out
 
-
-class ScoringSession:
-    """Full-context token log-probabilities of candidate steps, from SGLang's prompt logprobs
-    (the trajectory prefix is served from the radix cache). Same contract as `hf`'s session."""
-
-    def __init__(self, engine: "SGLangEngine") -> None:
-        self.engine = engine
-        self._context: dict[str, tuple[list[int], int]] = {}  # problem -> (ids, steps included)
-
-    def _ids(self, t) -> list[int]:
-        ids, n = self._context.get(t.problem_id) or (self.engine.encode(t.prompt), 0)
-        if n < len(t.steps):
-            ids = ids + [i for s in t.steps[n:] for i in self.engine.encode(s.text)]
-        self._context[t.problem_id] = (ids, len(t.steps))
-        return ids
-
-    def token_logprobs(self, trajectories, texts) -> list[list[float]]:
-        seqs = []
-        for t, text in zip(trajectories, texts):
-            ctx = self._ids(t)
-            seqs.append((ctx + self.engine.encode(text), len(ctx)))
-        return self.engine.score_ids(seqs)
-
-    def release(self, problem_ids) -> None:
-        for pid in problem_ids:
-            self._context.pop(pid, None)

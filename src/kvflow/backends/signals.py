@@ -1,6 +1,7 @@
-"""What a pruner's trace holds, from the top-k temperature-1 log-probabilities SGLang returns
-per token: the sampling distribution's entropy (an estimate where k does not cover the
-support) and DeepConf's token confidence (exact: the mean of the top `CONFIDENCE_TOP_K`)."""
+"""What a pruner's trace holds, from the top-k temperature-1 log-probabilities that an engine in
+another process (SGLang's, vLLM's) returns per token: the sampling distribution's entropy (an
+estimate where k does not cover the support) and DeepConf's token confidence (exact: the mean
+of the top `CONFIDENCE_TOP_K`)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def entropy_estimate(top: Sequence[tuple[float, int]], temperature: float, vocab
 
 
 def token_confidence(top: Sequence[tuple[float, int]], vocab: int) -> float:
-    """DeepConf's token confidence from the top temperature-1 logprobs SGLang returned
+    """DeepConf's token confidence from the top temperature-1 logprobs an engine returned:
     pairs (logprob, token id): minus the mean of the largest min(CONFIDENCE_TOP_K, vocab)."""
     k = min(CONFIDENCE_TOP_K, vocab, len(top))
     return -sum(sorted((lp for lp, _ in top), reverse=True)[:k]) / k if k else float("nan")

@@ -1,0 +1,51 @@
+"""The `vllm` backend: full-context proposers and `likelihood` scoring served by vLLM's engine,
+in vLLM's own environment.
+
+- `engine.py`   the kvflow engine protocol over a vLLM worker (`VLLMEngine`);
+- `worker.py`   the worker process that owns vLLM's `LLMEngine`, run by vLLM's interpreter
+                (standard library and vLLM only: kvflow is not installed there);
+- `client.py`   starting and talking to workers, one per set of engine arguments;
+- `settings.py` vLLM's interpreter (`KVFLOW_VLLM_PYTHON`, else `.venv-vllm`), the engine
+                arguments of a model entry, and the settings kvflow refuses;
+- `loading.py`  an engine for a model entry.
+
+Not built yet, and refused before anything loads: evicted proposers (`evicts = False`) and the
+`prm` / `llm_judge` scorers (they name the backends they run on). Install: `scripts/install.sh
+vllm` (docs/backends.md, "vllm").
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from kvflow.backends.vllm.settings import SUPPORTED_VERSIONS  # settings imports nothing heavy
+
+__all__ = ["VLLMBackend", "SUPPORTED_VERSIONS"]
+
+
+class VLLMBackend:
+    """vLLM's engine in a worker process started with vLLM's own interpreter.
+
+    Registered as backend `vllm`; `load()` returns a `VLLMEngine`. Runs full-context proposers
+    and the scorers that need prompt log-probabilities (`likelihood`)."""
+
+    name = "vllm"
+    evicts = False  # evicted proposers are refused at validate/compile (kvflow.runtime.compile)
+    #: the tiny model kvflow's contract suites run it on (kvflow.testing.engine_parity.contract_arch):
+    #: vLLM's CPU attention serves head_dim 32 and up, not the 16 of the default tiny Qwen2
+    contract_arch = "qwen2-hd32"
+
+    @staticmethod
+    def check(model_cfg) -> Optional[Any]:
+        """None if the model can be served here, else why not: a sentence, or a
+        (field under the model entry, sentence) pair."""
+        from kvflow.backends.vllm.settings import check_installed, check_model, check_settings
+
+        return check_settings(model_cfg) or check_installed() or check_model(model_cfg)
+
+    @staticmethod
+    def load(model_cfg):
+        """The model's engine."""
+        from kvflow.backends.vllm.loading import load_engine
+
+        return load_engine(model_cfg)

@@ -1,0 +1,266 @@
+"""`VLLMEngine`: kvflow's engine protocol over a vLLM worker (full-context proposers and scoring).
+
+A problem state is its token ids (prompt + committed steps). Each proposal sends one vLLM
+request per candidate with the whole sequence as input; vLLM's prefix cache keeps the shared
+prefix in whole KV blocks (128 tokens on a CPU), so a step costs little more than its new tokens
+(`stats()` counts the cached prompt tokens). Candidates stream back token by token; kvflow applies
+its own stop rules (EOS, the delimiter over token pieces, the step cap) and pruners to every token,
+exactly as on `hf` (`kvflow.backends.streamed`), and aborts a candidate it stopped in the engine,
+so that early exit saves real tokens (the few vLLM made before the abort reached it are counted,
+not used).
+
+Sampling: candidate i of a request sends vLLM's per-request `seed = row_seed(request.seed, i)`.
+vLLM draws each of that request's tokens from its own generator, so the same seed and prefix
+give the same candidate, alone or in any batch (not the `hf` backend's tokens: another
+generator). Temperature and top-p are vLLM's (the nucleus keeps the token that crosses top_p).
+Greedy decoding equals `hf` token for token on the same weights in float32.
+
+Logprobs are the model's own (temperature 1: vLLM's `logprobs_mode: raw_logprobs`); entropies
+are estimated from the top-`TOP_K` log-probabilities and token confidences are exact, as on SGLang
+(`kvflow.backends.signals`). Scoring (`likelihood`) uses vLLM's prompt log-probabilities over the
+whole sequence (vLLM reads no prefix cache for a request that asks for them).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from kvflow.backends.streamed import TOP_K, Row, Running, StreamedRows
+from kvflow.backends.vllm.client import EngineError, Worker
+from kvflow.components.engine import Proposal, ProposeRequest, StartRequest, SyncRequest, row_seed
+from kvflow.timing import NULL_CLOCK
+
+_POLL_S = 0.02  # longest wait for the engine per step() when rows are decoding
+
+
+@dataclass
+class VLLMState:
+    ids: list[int]  # prompt + committed tokens
+
+
+class VLLMEngine(StreamedRows):
+    """One model served by a vLLM worker process (see the module docstring)."""
+
+    backend = "vllm"
+    evicts = False  # full-context proposers only, for now (docs/backends.md, "vllm")
+    exact_entropy = False  # estimated from the top-k logprobs (entropy_estimate)
+    streams = True  # decoding runs in the worker process: step() reads what arrived
+
+    def __init__(self, worker: Worker, tokenizer: Any, *, vocab_size: int, kv_shape: tuple[int, int, int, int],
+                 eos_ids: set[int], device: str) -> None:
+        self.worker, self.tokenizer = worker, tokenizer
+        self.vocab_size, self._kv_shape, self.eos_ids, self.device = vocab_size, kv_shape, eos_ids, device
+        self.clock = NULL_CLOCK
+        self.label = ""
+        self.waiting: deque[ProposeRequest] = deque()
+        self.running: list[Running] = []
+        self._rows: dict[str, tuple[Running, Row]] = {}
+        self._scores: dict[str, Any] = {}
+        self._pieces: dict[int, str] = {}
+        self._used: dict[str, int] = {}  # rid -> tokens kvflow kept, of candidates it stopped
+        self.forwards = 0  # step() calls that received tokens (vLLM batches on its own)
+        self.rows_decoded = 0  # candidate rows that received tokens in them
+        self.counters = {"prompt_tokens": 0, "cached_tokens": 0, "requests": 0, "tokens_used": 0,
+                         "tokens_after_stop": 0, "aborted": 0}
+
+    def settings(self) -> dict:
+        """What this engine runs under, as vLLM resolved it on this machine (`manifest.json`)."""
+        from kvflow.backends.vllm.settings import RECORDED
+
+        resolved = self.worker.info.get("settings") or {}
+        return {"backend": self.backend, "vllm": self.worker.info.get("version"),
+                **{k: resolved[k] for k in RECORDED if k in resolved}}
+
+    def close(self) -> None:
+        """This holder is done with the engine: its worker, shared by every holder of the same
+        arguments, is closed once none holds it and another has to start, or at exit."""
+        self.worker.holders = max(0, self.worker.holders - 1)
+        if self.worker.proc.poll() is None:
+            self.reset()
+
+    def reset(self) -> None:
+        for r in self.running:
+            for row in r.rows:
+                if row.finish is None:
+                    self.worker.send("abort", row.rid)
+        self.waiting.clear()
+        self.running.clear()
+        self._rows.clear()
+        self._used.clear()
+
+    # ------------------------------------------------------------------ text and shapes
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def kv_shape(self) -> tuple[int, int, int, int]:
+        return self._kv_shape
+
+    def drain(self, timeout: float = 30.0) -> None:
+        """Wait until every candidate kvflow stopped has ended in the engine, so that `stats()`
+        counts the tokens vLLM made after the stop; running proposals keep streaming meanwhile."""
+        deadline = time.monotonic() + timeout
+        while self._used and time.monotonic() < deadline:
+            self._take(self.worker.poll(_POLL_S))
+
+    def stats(self) -> dict:
+        """Prefix-cache hits and early-exit savings so far (for the run summary and benchmarks)."""
+        c = dict(self.counters)
+        c["prefix_cache_hit_rate"] = round(c["cached_tokens"] / c["prompt_tokens"], 4) if c["prompt_tokens"] else None
+        return c
+
+    # ------------------------------------------------------------------ states
+
+    def start(self, requests: Sequence[StartRequest]) -> list:
+        for r in requests:
+            if getattr(r.evictor, "bounded", True):
+                raise EngineError(f"evictor {type(r.evictor).__name__}: backend 'vllm' runs full-context proposers "
+                                  "only (evicted proposers on vLLM are not built yet); put this proposer's model on "
+                                  "backend 'hf' or 'sglang'")
+        return [VLLMState(self.encode(r.prompt)) for r in requests]
+
+    def sync(self, requests: Sequence[SyncRequest]) -> list:
+        out = []
+        for r in requests:
+            if r.own_index is not None:
+                out.append(VLLMState(r.state.ids + list(r.proposal.candidates[r.own_index].token_ids)))
+            else:
+                out.append(VLLMState(r.state.ids + self.encode(r.text)))
+        return out
+
+    def release(self, states: Sequence, proposals: Sequence[Proposal] = ()) -> None:
+        """A state is a token list (vLLM's prefix cache frees blocks on its own): nothing to free."""
+
+    # ------------------------------------------------------------------ proposals
+
+    def submit(self, requests: Sequence[ProposeRequest]) -> None:
+        self.waiting.extend(requests)
+
+    def busy_rows(self) -> int:
+        # every row of a running proposal counts until step() hands the proposal back (rows can
+        # end outside step(): scoring polls the same worker)
+        return sum(r.spec.n for r in self.waiting) + sum(len(r.rows) for r in self.running)
+
+    def _admit(self, max_rows: Optional[int]) -> None:
+        busy = sum(1 for r in self.running for row in r.rows if row.finish is None)
+        while self.waiting and (max_rows is None or not self.running or busy + self.waiting[0].spec.n <= max_rows):
+            req = self.waiting.popleft()
+            spec = req.spec
+            cap = min(spec.max_step_tokens, max(1, req.token_room))
+            running = Running(req, [], cap)
+            for i in range(spec.n):
+                row = Row(self.worker.new_rid("p"))
+                running.rows.append(row)
+                self._rows[row.rid] = (running, row)
+                # no stop strings: kvflow ends a step at the delimiter itself (matched on token
+                # pieces as on `hf`) and aborts the request; EOS is the engine's stop too
+                params = {"max_tokens": cap, "temperature": spec.temperature, "logprobs": TOP_K,
+                          "stop_token_ids": sorted(self.eos_ids)}
+                if spec.temperature > 0:
+                    params.update(top_p=spec.top_p, seed=row_seed(req.seed, i))
+                self.worker.send("generate", row.rid, req.state.ids, params)
+                self.counters["requests"] += 1
+            self.running.append(running)
+            busy += spec.n
+
+    def step(self, max_rows: Optional[int] = None) -> list[Proposal]:
+        self._admit(max_rows)
+        with self.clock.phase(f"forward:{self.label}"):
+            replies = self.worker.poll(_POLL_S if self.running else 0.0)
+        if self._take(replies):
+            self.forwards += 1
+        done = []
+        for r in list(self.running):
+            if all(row.finish is not None for row in r.rows):
+                self.running.remove(r)
+                self.counters["tokens_used"] += sum(len(row.tokens) for row in r.rows)
+                done.append(Proposal(r.request, self._candidates(r)))
+        return done
+
+    def _take(self, replies) -> int:
+        """Apply replies: streamed tokens first (with stop rules and pruners), then the ends
+        the engine reported. Returns the number of candidate rows that got tokens."""
+        fresh: dict[int, tuple[Running, list]] = {}
+        ends: list = []
+        for msg in replies:
+            self._dispatch(msg, fresh, ends)
+        rows = sum(len({id(row) for row, _ in v[1]}) for v in fresh.values())
+        self.rows_decoded += rows
+        with self.clock.phase("prune"):
+            for running, arrivals in fresh.values():
+                self._advance(running, arrivals)
+        for row, reason, made in ends:
+            if row.finish is None:  # the engine stopped it first: EOS or the cap (kvflow saw the tokens)
+                row.finish = "eos" if row.tokens and row.tokens[-1] in self.eos_ids else "max_step_tokens"
+                if reason == "abort":
+                    raise EngineError(f"{self.worker.where}: vLLM aborted request {row.rid} (kvflow did not)")
+            else:  # kvflow stopped it on tokens that came with the engine's own end: nothing left to abort
+                self.counters["tokens_after_stop"] += max(0, made - len(row.tokens))
+        return rows
+
+    def _dispatch(self, msg, fresh, ends) -> None:
+        kind, rid = msg[0], msg[1]
+        if kind == "scored" or (kind == "error" and rid in self._scores):
+            self._scores[rid] = msg
+            return
+        owner = self._rows.get(rid)
+        if owner is None:
+            if kind == "end":  # a candidate kvflow stopped: what the engine made after the stop
+                used = msg[3].get("completion_tokens") or 0
+                self.counters["tokens_after_stop"] += max(0, used - self._used.pop(rid, used))
+                self._count_prefix(msg[3])
+            return
+        running, row = owner
+        if kind == "tokens":
+            entry = fresh.setdefault(id(running), (running, []))
+            entry[1].append((row, list(zip(msg[2], msg[3], msg[4]))))
+        elif kind == "end":
+            self._count_prefix(msg[3])
+            ends.append((row, msg[2], msg[3].get("completion_tokens") or 0))
+            self._rows.pop(rid, None)
+        elif kind == "error":
+            raise EngineError(f"{self.worker.where}: vLLM request failed: {msg[2]}")
+
+    def _count_prefix(self, meta: dict) -> None:
+        self.counters["prompt_tokens"] += meta.get("prompt_tokens") or 0
+        self.counters["cached_tokens"] += meta.get("cached_tokens") or 0
+
+    def _stop(self, row: Row) -> None:
+        """kvflow ended this candidate: stop it in the engine (EOS and the cap vLLM stops itself)."""
+        self._rows.pop(row.rid, None)
+        self._used[row.rid] = len(row.tokens)
+        if row.finish.startswith("pruned:") or row.finish == "delimiter":
+            self.worker.send("abort", row.rid)
+            self.counters["aborted"] += row.finish.startswith("pruned:")
+
+    # ------------------------------------------------------------------ scoring
+
+    def scoring_session(self):
+        from kvflow.backends.prompt_logprobs import ScoringSession
+
+        return ScoringSession(self)
+
+    def score_ids(self, sequences: Sequence[tuple[list[int], int]]) -> list[list[float]]:
+        """log p of ids[start:] given what precedes, for each (ids, start): prompt logprobs."""
+        rids = []
+        for ids, start in sequences:
+            rid = self.worker.new_rid("s")
+            self._scores[rid] = None
+            self.worker.send("score", rid, ids, start)
+            rids.append(rid)
+        deadline = time.monotonic() + 3600
+        while not all(self._scores[r] is not None for r in rids):
+            if time.monotonic() > deadline:
+                raise EngineError(f"{self.worker.where}: vLLM timed out scoring")
+            self._take(self.worker.poll(_POLL_S))  # proposals keep streaming meanwhile
+        out = []
+        for rid in rids:
+            msg = self._scores.pop(rid)
+            if msg[0] == "error":
+                raise EngineError(f"{self.worker.where}: vLLM scoring failed: {msg[2]}")
+            self._count_prefix(msg[3])
+            out.append([float(x) for x in msg[2]])
+        return out

@@ -1,0 +1,188 @@
+"""The vLLM worker: one `vllm` `LLMEngine` in a process of its own, driven over pipes with JSON lines.
+
+    <vllm venv>/bin/python <this file>     # started by kvflow.backends.vllm.client
+
+It runs in vLLM's own environment (`scripts/install.sh vllm` makes `.venv-vllm`: vLLM's CPU
+build pins a torch that SGLang's cannot share), where kvflow is not installed: this file imports
+the standard library and vLLM only, and is run by its path. Everything that crosses the pipe is
+plain data (lists, numbers, strings).
+
+The engine steps in this process's own loop: between two `LLMEngine.step()` calls it reads every
+request that arrived (new requests, aborts), and after each step it streams the new tokens, so
+kvflow's stop rules and pruners see every token and an aborted candidate stops within a step.
+
+Protocol (one JSON value per line; stdin -> requests, stdout -> replies; vLLM's own prints go to stderr):
+    -> {"engine": kwargs}                        first line: `EngineArgs(**kwargs)`
+    <- ["ready", info]                           info: vllm version, the settings vLLM resolved
+    -> ["generate", rid, input_ids, params]      params: `SamplingParams` fields (plain values)
+    <- ["tokens", rid, ids, logprobs, top]       new tokens (deltas): each one's own logprob and its
+                                                 top-k [[logprob, id], ...] (temperature 1: raw_logprobs)
+    <- ["end", rid, finish, meta]                finish: "stop" | "length" | "abort"; meta: token counts
+    -> ["score", rid, input_ids, start]          log-probabilities of input_ids[start:] (prompt logprobs)
+    <- ["scored", rid, logprobs, meta]
+    -> ["abort", rid]                            the request ends now with finish "abort"
+    -> ["shutdown"]
+    <- ["error", rid, message]                   a request failed (rid null: the worker failed)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import sys
+import threading
+import traceback
+
+
+def _send(out, *msg) -> None:
+    out.write(json.dumps(msg) + "\n")
+    out.flush()
+
+
+def _read(stream, inbox: queue.Queue) -> None:
+    for line in stream:
+        if line.strip():
+            inbox.put(json.loads(line))
+    inbox.put(None)  # the client closed the pipe
+
+
+def resolved_settings(engine) -> dict:
+    """What vLLM resolved for this machine (plain values, for `manifest.json`)."""
+    config = engine.vllm_config
+    model, cache, sched = config.model_config, config.cache_config, config.scheduler_config
+    return {"device": str(config.device_config.device_type), "dtype": str(model.dtype).removeprefix("torch."),
+            "max_model_len": model.max_model_len, "logprobs_mode": model.logprobs_mode,
+            "max_logprobs": model.max_logprobs, "enforce_eager": model.enforce_eager,
+            "block_size": cache.block_size, "enable_prefix_caching": cache.enable_prefix_caching,
+            "kv_cache_dtype": str(cache.cache_dtype), "max_num_seqs": sched.max_num_seqs,
+            "max_num_batched_tokens": sched.max_num_batched_tokens,
+            "tensor_parallel_size": config.parallel_config.tensor_parallel_size}
+
+
+class _Serve:
+    def __init__(self, engine, out) -> None:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        self.engine, self.out = engine, out
+        self.SamplingParams, self.DELTA = SamplingParams, RequestOutputKind.DELTA
+        self.kinds: dict[str, str] = {}  # rid -> "generate" | "score", while vLLM runs it
+        self.made: dict[str, int] = {}  # rid -> tokens streamed so far
+        self.prompt: dict[str, tuple[int, int]] = {}  # rid -> (prompt tokens, start of the scored part)
+        self.top_k: dict[str, int] = {}  # rid -> top log-probabilities asked per token
+
+    def handle(self, msg) -> bool:
+        kind = msg[0]
+        if kind == "shutdown":
+            return False
+        rid = msg[1]
+        try:
+            if kind == "generate":
+                _, rid, ids, params = msg
+                sp = self.SamplingParams(**params, output_kind=self.DELTA, detokenize=False)
+                self.engine.add_request(rid, {"prompt_token_ids": ids}, sp)
+                self.kinds[rid], self.made[rid], self.prompt[rid] = "generate", 0, (len(ids), 0)
+                self.top_k[rid] = int(params.get("logprobs") or 0)
+            elif kind == "score":
+                _, rid, ids, start = msg
+                # the whole sequence runs (vLLM reads no prefix cache for prompt logprobs)
+                sp = self.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0,
+                                         output_kind=self.DELTA, detokenize=False)
+                self.engine.add_request(rid, {"prompt_token_ids": ids}, sp)
+                self.kinds[rid], self.made[rid], self.prompt[rid] = "score", 0, (len(ids), start)
+            elif kind == "abort" and rid in self.kinds:
+                self.engine.abort_request([rid])
+                self._end(rid, "abort", 0)
+        except Exception as exc:  # noqa: BLE001 - reported to the client, the worker goes on
+            self.kinds.pop(rid, None)
+            _send(self.out, "error", rid, f"{type(exc).__name__}: {exc}")
+        return True
+
+    def _end(self, rid: str, finish: str, cached: int) -> None:
+        kind = self.kinds.pop(rid)
+        self.top_k.pop(rid, None)
+        n_prompt, _ = self.prompt.pop(rid)
+        meta = {"prompt_tokens": n_prompt, "cached_tokens": cached, "completion_tokens": self.made.pop(rid)}
+        if kind == "generate":
+            _send(self.out, "end", rid, finish, meta)
+
+    def step(self) -> None:
+        for out in self.engine.step():
+            rid = out.request_id
+            if rid not in self.kinds:
+                continue  # aborted meanwhile
+            try:
+                if self.kinds[rid] == "score":
+                    self._scored(rid, out)
+                    continue
+                c = out.outputs[0]
+                ids = list(c.token_ids)
+                if ids:
+                    lps, tops = [], []
+                    k = self.top_k[rid]
+                    for tok, entry in zip(ids, c.logprobs or []):
+                        lps.append(entry[tok].logprob)
+                        # vLLM adds the sampled token to the top k (with its own rank) when it is not in them
+                        tops.append(sorted(([lp.logprob, t] for t, lp in entry.items() if lp.rank <= k), reverse=True))
+                    _send(self.out, "tokens", rid, ids, lps, tops)
+                    self.made[rid] += len(ids)
+                if out.finished:
+                    self._end(rid, c.finish_reason or "stop", out.num_cached_tokens or 0)
+            except Exception as exc:  # noqa: BLE001
+                self.kinds.pop(rid, None)
+                _send(self.out, "error", rid, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}")
+
+    def _scored(self, rid: str, out) -> None:
+        if not out.finished:
+            return
+        _, start = self.prompt[rid]
+        ids = out.prompt_token_ids
+        entries = out.prompt_logprobs or []  # entry j: log p(ids[j] | ids[:j]); entry 0 is None
+        lps = [entries[j][ids[j]].logprob for j in range(max(1, start), len(ids))]
+        self.kinds.pop(rid)
+        self.made.pop(rid)
+        n_prompt, _ = self.prompt.pop(rid)
+        _send(self.out, "scored", rid, lps, {"prompt_tokens": n_prompt, "cached_tokens": out.num_cached_tokens or 0})
+
+    def serve(self, inbox: queue.Queue) -> None:
+        while True:
+            msgs = []
+            try:  # wait for a request only while the engine has nothing to run
+                msgs.append(inbox.get(block=not self.engine.has_unfinished_requests()))
+                while True:
+                    msgs.append(inbox.get_nowait())
+            except queue.Empty:
+                pass
+            for msg in msgs:
+                if msg is None or not self.handle(msg):
+                    return
+            if self.engine.has_unfinished_requests():
+                self.step()
+
+
+def main() -> int:
+    out = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # vLLM's prints must not reach the pipe
+    first = sys.stdin.readline()
+    if not first.strip():
+        return 2
+    kwargs = json.loads(first)["engine"]
+    try:
+        import vllm
+        from vllm import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        engine = LLMEngine.from_engine_args(EngineArgs(**kwargs))
+    except BaseException as exc:  # noqa: BLE001 - the client shows it, naming the model entry
+        _send(out, "error", None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}")
+        return 1
+    _send(out, "ready", {"version": vllm.__version__, "settings": resolved_settings(engine)})
+    inbox: queue.Queue = queue.Queue()
+    threading.Thread(target=_read, args=(sys.stdin, inbox), daemon=True).start()
+    _Serve(engine, out).serve(inbox)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

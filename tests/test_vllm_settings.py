@@ -1,0 +1,85 @@
+"""The `vllm` backend's refusals, said before any engine starts (no vLLM needed: the quick tier):
+what it does not run yet (evicted proposers, the PRM), the engine settings kvflow sets or depends
+on, and a missing vLLM environment, each with exit code 2 naming the field, nothing written.
+The engine itself is tested in tests/test_vllm.py and tests/test_engine_contract.py."""
+
+from __future__ import annotations
+
+from kvflow.testing import tiny_pipeline
+
+
+def _on_vllm(tmp_path, *keys: str, engine=None, **kw):
+    """A tiny pipeline with models `keys` (default: the helper) on backend vllm (with `engine:` settings)."""
+    models = {key: {"backend": "vllm", **({"engine": engine} if engine else {})} for key in keys or ("helper",)}
+    return tiny_pipeline(tmp_path, problems=1, extra={"models": models}, **kw)
+
+
+def test_an_evicted_proposer_on_vllm_is_refused_at_validation(tmp_path, cli):
+    path = _on_vllm(tmp_path, "base", evictor={"kind": "rkv", "budget": 16, "buffer": 8, "window": 4})
+    result = cli("validate", path)
+    assert result.exit_code == 2, result.output
+    assert "proposers.base.evictor" in result.output and "backend 'vllm'" in result.output, result.output
+    assert "full-context proposers only" in result.output and "Traceback" not in result.output
+
+
+def test_a_prm_on_vllm_is_refused_at_validation(tmp_path, cli):
+    path = _on_vllm(tmp_path, scorer={"kind": "prm", "model": "helper", "protocol": "math-shepherd"})
+    result = cli("validate", path)
+    assert result.exit_code == 2, result.output
+    assert "models.helper.backend" in result.output and "not 'vllm'" in result.output, result.output
+
+
+def test_engine_settings_kvflow_sets_or_needs_are_refused_before_loading(tmp_path, cli):
+    cases = [({"model": "/elsewhere"}, "models.helper.engine.model", "set by kvflow from the model entry's `id`"),
+             ({"logprobs_mode": "processed_logprobs"}, "models.helper.engine.logprobs_mode", "raw_logprobs"),
+             ({"max_logprobs": 5}, "models.helper.engine.max_logprobs", "top 20")]
+    for i, (engine, where, words) in enumerate(cases):
+        path = _on_vllm(tmp_path / str(i), engine=engine)
+        result = cli("run", path)
+        assert result.exit_code == 2, (where, result.output)
+        assert where in result.output and words in result.output, result.output
+        assert not (tmp_path / str(i) / "results").exists()  # nothing written
+
+
+def test_a_missing_vllm_environment_says_how_to_make_it(tmp_path, cli, monkeypatch):
+    monkeypatch.setenv("KVFLOW_VLLM_PYTHON", str(tmp_path / "no-such-venv" / "bin" / "python"))
+    path = _on_vllm(tmp_path)
+    result = cli("run", path)
+    assert result.exit_code == 2, result.output
+    assert "models.helper.id" in result.output and "KVFLOW_VLLM_PYTHON" in result.output, result.output
+    assert "scripts/install.sh vllm" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "results").exists()
+
+
+def test_vllm_is_found_by_its_environment_variable_or_beside_kvflow(tmp_path, monkeypatch):
+    from kvflow.backends.vllm import settings
+
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("")
+    monkeypatch.setenv(settings.PYTHON_ENV, str(python))
+    assert settings.vllm_python() == python
+    monkeypatch.setenv(settings.PYTHON_ENV, str(tmp_path / "missing"))
+    assert settings.vllm_python() is None  # a named interpreter that is not there is not replaced by a guess
+    monkeypatch.delenv(settings.PYTHON_ENV)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".venv-vllm" / "bin").mkdir(parents=True)
+    (tmp_path / ".venv-vllm" / "bin" / "python").write_text("")
+    assert settings.vllm_python() == tmp_path / ".venv-vllm" / "bin" / "python"
+
+
+def test_run_deterministic_with_a_model_on_vllm_is_refused(tmp_path, cli):
+    path = tiny_pipeline(tmp_path, problems=1, extra={"models": {"helper": {"backend": "vllm"}},
+                                                      "run": {"deterministic": True}})
+    result = cli("run", path)
+    assert result.exit_code == 2, result.output
+    assert "run.deterministic" in result.output and "models.helper runs on vLLM" in result.output, result.output
+
+
+def test_explain_says_how_vllm_serves_the_model(tmp_path, cli):
+    path = tiny_pipeline(tmp_path, problems=1, extra={"models": {"helper": {"backend": "vllm"}},
+                                                      "scorer": {"kind": "likelihood", "model": "helper"}})
+    result = cli("explain", path)
+    assert result.exit_code == 0, result.output
+    assert "models helper [vllm]: helper" in result.output and "scorer likelihood" in result.output
+    assert "vLLM in a worker process" in result.output and "logprobs_mode=raw_logprobs" in result.output
