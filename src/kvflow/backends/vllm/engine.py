@@ -45,6 +45,7 @@ class VLLMEngine(StreamedRows):
     """One model served by a vLLM worker process (see the module docstring)."""
 
     backend = "vllm"
+    protocol = "0.2"  # engine protocol (kvflow.components.engine.PROTOCOL_VERSION): fills confidences
     evicts = False  # full-context proposers only, for now (docs/backends.md, "vllm")
     exact_entropy = False  # estimated from the top-k logprobs (entropy_estimate)
     streams = True  # decoding runs in the worker process: step() reads what arrived
