@@ -98,3 +98,54 @@ def test_explain_prints_bytes_per_row_and_problems_that_fit(tmp_path, cli):
     assert "per problem 459.0 KiB: 0 problems in flight at this memory" in out
     unset = cli("explain", _pipeline(tmp_path / "count", helper=True, count={"batch_problems": 4})).output
     assert "KV admission: by count (run.kv_memory unset)" in unset
+
+
+def test_served_requests_are_admitted_by_kv_memory(tmp_path):
+    """`kvflow serve`'s engine thread (`kvflow.serve.loop.Loop`, no HTTP) under run.kv_memory:
+    6 requests at once, at most 2 in flight by memory, all answered; a prompt too long to fit
+    by itself is refused with a 400 naming run.kv_memory before it is queued."""
+    import asyncio
+
+    from kvflow.config.validate import load_pipeline
+    from kvflow.registry import get_registry
+    from kvflow.runtime.session import Session
+    from kvflow.serve.loop import Job, Loop
+    from kvflow.serve.metrics import Metrics
+    from kvflow.serve.protocol import ApiError, Request
+
+    bound = 2 * PROBLEM_BYTES + PROBLEM_BYTES // 2
+    loaded = load_pipeline(_pipeline(tmp_path, kv_memory=bound))
+    with Session(loaded, get_registry()) as session:
+        loop = Loop(session, Metrics(), queue=8)
+        assert loop.max_live == 2  # the most run.kv_memory can admit: sizes the queue past which 429
+        loop.start()
+
+        async def ask(i: int, prompt: str):
+            job = Job(Request("completion", "m", max_tokens=1000, seed=i, prompt=prompt), prompt, 0,
+                      asyncio.get_running_loop(), prompt)
+            loop.submit(job)
+            while True:
+                event = await job.events.get()
+                if event[0] in ("end", "error"):
+                    return event[0]
+
+        async def main():
+            return await asyncio.gather(*(ask(i, f"Question {i}: what is {i} + {i}?") for i in range(6)))
+
+        assert asyncio.run(main()) == ["end"] * 6
+        kv = session.occupancy.kv
+        assert kv["bound"] == bound and kv["peak_problems"] == 2 and kv["peak_bytes"] <= bound
+        # an evicted-only pipeline's rows do not grow with the prompt: refuse by a helper's instead
+        loop.drain(0)
+        assert loop.join(30)
+    loaded = load_pipeline(_pipeline(tmp_path / "helper", kv_memory="300KiB", helper=True))
+    with Session(loaded, get_registry()) as session:
+        loop = Loop(session, Metrics(), queue=8)
+        long = "many words " * 200
+        job = Job(Request("completion", "m", max_tokens=10, prompt=long), long, 0, None, long)
+        try:
+            loop.submit(job)
+        except ApiError as e:
+            assert e.status == 400 and "run.kv_memory" in e.message
+        else:
+            raise AssertionError("a prompt too long for run.kv_memory was accepted")
