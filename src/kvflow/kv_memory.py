@@ -1,5 +1,6 @@
 """Bytes of KV cache one sequence holds under an evictor: the accounting shared by the cache
-(which allocates exactly this), `kvflow explain`, results and `budget_bytes` conversion.
+(which allocates exactly this), `kvflow explain`, results and `budget_bytes` conversion, and
+admission by KV memory (`run.kv_memory`: `parse_bytes`, `RowCost`, `KVBudget`, at the end).
 
 Everything is per sequence, summed over layers and KV heads, from the model's shape and
 dtype alone (no torch). With `quantize` (BreadthKV / KIVI style, `kvflow.backends.hf.quant`)

@@ -10,7 +10,14 @@ no backend.
 
 Bounds (`Plan`): each engine decodes at most `batch_problems` × (candidates per problem on
 that engine) rows per forward; up to `live_problems` problems are in flight, so that the
-decode batch stays full while some problems score, sync, or wait for another engine.
+decode batch stays full while some problems score, sync, or wait for another engine. With
+`kv_budget` (`run.kv_memory`, `kvflow.kv_memory.KVBudget`) a problem is admitted only while
+the KV bytes its rows can grow to fit beside those of the problems in flight (reserved at
+admission, given back when it ends), and the count bounds are None unless the pipeline sets
+them. Problems are admitted after every round of forwards (one per busy engine), not only
+when a problem reaches a step boundary: a problem that ends, or a request that arrives,
+frees or takes room at the next forward. One taken from the source that does not fit yet
+waits, first in line, until problems in flight end.
 
 Results do not depend on scheduling: candidate i of a problem's step s on proposer p samples
 from row_seed(row_seed(seed, problem, p, s), i) whatever else is decoded with it. `problem` is
