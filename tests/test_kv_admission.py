@@ -149,3 +149,20 @@ def test_served_requests_are_admitted_by_kv_memory(tmp_path):
             assert e.status == 400 and "run.kv_memory" in e.message
         else:
             raise AssertionError("a prompt too long for run.kv_memory was accepted")
+
+
+def test_worker_pools_are_sized_from_kv_memory(tmp_path):
+    """On SGLang the worker's pool is the bound: a model a proposer runs on gets
+    `max_total_tokens` = kv_memory / its KV bytes per token, unless its entry sizes the pool
+    itself; `auto` leaves SGLang to size it (nothing started here)."""
+    from kvflow.config.validate import load_pipeline
+    from kvflow.runtime.compile import kv_memory_engines
+
+    path = tiny_pipeline(tmp_path, problems=1, n=2, evictor=EVICTED, extra={
+        "models": {"base": {"backend": "sglang"}, "helper": {"backend": "sglang", "engine": {"max_total_tokens": 99}}},
+        "run": {"kv_memory": "1MiB"}})
+    models = kv_memory_engines(load_pipeline(path)).pipeline.models
+    assert models["base"].engine["max_total_tokens"] == 2**20 // 512  # 512 bytes per token (float32 tiny Qwen2)
+    assert models["helper"].engine == {"max_total_tokens": 99}  # its own pool
+    auto = kv_memory_engines(load_pipeline(path, sets=["run.kv_memory=auto"])).pipeline.models
+    assert "max_total_tokens" not in auto["base"].engine
