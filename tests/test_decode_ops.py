@@ -188,3 +188,38 @@ def test_a_pool_gives_back_rows_it_no_longer_uses():
     for a, b in zip(after.layers, before.layers):
         n = int(before.rows.lengths[0])
         assert torch.equal(a.keys[:, :, :n], b.keys[:, :, :n]) and torch.equal(a.values[:, :, :n], b.values[:, :, :n])
+
+
+def test_a_pool_whose_rows_were_all_given_back_shrinks_to_none_and_decodes_on():
+    """Eight proposals (16 rows) end and are released together: the next step's shrink keeps
+    no row (it used to fail in torch.cat on an empty list; admission by run.kv_memory met it
+    when a helper's proposals all ended at once), and a proposal submitted then decodes as
+    it does on a fresh engine."""
+    from kvflow.components.engine import ProposeRequest, SamplingSpec, StartRequest
+
+    ev = _evictors()["random"]
+    fresh = tiny_engine("qwen2", seed=1)
+    engine = tiny_engine("qwen2", seed=1)
+    for e in (fresh, engine):
+        e.runner.eos_ids = set()
+    states = engine.start([StartRequest(QUESTION + " x" * i, ev, i) for i in range(8)])
+    engine.submit([ProposeRequest(s, "base", SamplingSpec(2, 0.0, 1.0, 1, "\x00\x01"), i, 100)
+                   for i, s in enumerate(states)])
+    ended = []
+    while engine.busy_rows():
+        ended += engine.step()
+    engine.release(states, ended)
+    del ended
+    (pool,) = [p for _, p in engine.pools.values()]
+    assert pool.cache.n_rows == 16
+    outs = []
+    for e in (engine, fresh):
+        (state,) = e.start([StartRequest(QUESTION, ev, 0)])
+        request = ProposeRequest(state, "base", SamplingSpec(2, 0.0, 1.0, 6, "\x00\x01"), 0, 100)
+        e.submit([request])
+        done = []
+        while not done:
+            done = e.step()
+        outs.append([c.token_ids for c in done[0].candidates])
+    assert pool.cache.n_rows == 2  # shrunk to none, then grown for the new proposal's rows
+    assert outs[0] == outs[1]

@@ -288,8 +288,13 @@ def explain_lines(loaded: "LoadedPipeline", registry: Optional["Registry"] = Non
     out.append(f"dataset: {ds.name} ({where}), prompt {ds.prompt}, offset {ds.offset}, "
                f"limit {ds.limit if ds.limit is not None else 'none (all problems)'}{order}")
     r = pipe.run
-    out.append(f"run: seed={r.seed}, batch_problems={r.batch_problems}, live_problems="
-               f"{r.live_problems or 2 * r.batch_problems}, output={r.output}/{pipe.name}__{loaded.hash}")
+    if r.kv_memory is None:
+        bounds = f"batch_problems={r.batch_problems}, live_problems={r.live_problems or 2 * r.batch_problems}"
+    else:  # the count bounds apply only where set (see "KV admission" below)
+        counts = [f"batch_problems={r.batch_problems}"] if "batch_problems" in r.model_fields_set else []
+        counts += [f"live_problems={r.live_problems}"] if r.live_problems else []
+        bounds = f"kv_memory={r.kv_memory}" + "".join(", " + c for c in counts)
+    out.append(f"run: seed={r.seed}, {bounds}, output={r.output}/{pipe.name}__{loaded.hash}")
     engines: dict[tuple, list[str]] = {}  # model entries that load the same weights share one engine
     keys: dict[tuple, list[str]] = {}
     settings: dict[tuple, dict] = {}
@@ -315,7 +320,9 @@ def explain_lines(loaded: "LoadedPipeline", registry: Optional["Registry"] = Non
     for ident, names in engines.items():
         rows = r.batch_problems * sum(pipe.proposers[n].n for n in names)
         backend = ident[0] if len(ident) > 1 else "?"
-        what = ", ".join(names) + (f" (up to {rows} rows per forward)" if names else "")
+        room = (f"up to {rows} rows per forward" if r.kv_memory is None or "batch_problems" in r.model_fields_set
+                else "as many rows per forward as run.kv_memory admits")
+        what = ", ".join(names) + (f" ({room})" if names else "")
         if ident == scorer_engine:
             what += ("; " if names else "") + f"scorer {pipe.scorer.kind}"
         out.append(f"  models {' = '.join(keys.get(ident, [ident[0]]))} [{backend}]: {what}")
@@ -375,8 +382,120 @@ def explain_lines(loaded: "LoadedPipeline", registry: Optional["Registry"] = Non
                    f"{bpe} bytes/element; shape from {note}")
 
     out.append("")
+    out.extend(kv_admission_lines(loaded, shapes))
+
+    out.append("")
     out.append("resolved config:")
     out.extend("  " + line for line in resolved_yaml(loaded.resolved).splitlines())
+    return out
+
+
+# --------------------------------------------------------------------------- run.kv_memory
+
+
+def static_row_costs(loaded: "LoadedPipeline", shapes: Optional[dict] = None) -> tuple[list, list[str]]:
+    """(RowCost per proposer whose model's shape can be read offline, proposers whose cannot
+    with why), as `kvflow.runtime.compile.kv_budget_for` counts them once the engines load."""
+    from kvflow.kv_memory import budget_for_bytes, row_cost
+
+    pipe, comps = loaded.pipeline, loaded.components
+    shapes = {} if shapes is None else shapes
+    costs, unknown = [], []
+    for pname, prop in pipe.proposers.items():
+        m = pipe.models[prop.model]
+        if prop.model not in shapes:
+            shapes[prop.model] = model_shape(m)
+        shape, note = shapes[prop.model]
+        if shape is None:
+            unknown.append(f"{pname} ({note})")
+            continue
+        dims = (shape.n_layers, shape.n_kv_heads, shape.head_dim, DTYPE_BYTES.get(m.dtype, 2))
+        spec = comps.proposers[pname].evictor
+        params, evictor = spec.params, None
+        if getattr(spec.cls, "bounded", True):
+            try:
+                if getattr(params, "budget_bytes", None) is not None:
+                    params = params.with_budget(budget_for_bytes(params, *dims, evictor_cls=spec.cls))
+                evictor = spec.cls(params)
+                evictor.varies(shape.n_layers)
+            except ValueError as e:
+                unknown.append(f"{pname} (its evictor does not fit this model: {e})")
+                continue
+        costs.append(row_cost(pname, prop.n, params, *dims, evictor=evictor))
+    return costs, unknown
+
+
+def kv_memory_problems(loaded: "LoadedPipeline") -> list:
+    """`run.kv_memory` that not even a problem with an empty prompt fits, found from the
+    models' configs without loading them (`kvflow validate`, and `kvflow run` before it loads
+    anything); proposers whose shape cannot be read offline are checked once loaded."""
+    from kvflow.kv_memory import KV_HINT, KVBudget, kv_refusal, parse_bytes
+
+    value = loaded.pipeline.run.kv_memory
+    if value is None or value == "auto":
+        return []
+    costs, unknown = static_row_costs(loaded)
+    if not costs:
+        return []
+    budget = KVBudget(parse_bytes(value), tuple(costs), loaded.pipeline.limits.max_tokens)
+    smallest = budget.smallest_problem()
+    if smallest <= budget.bound:
+        return []
+    what = "even with an empty prompt" + (f" (not counting {', '.join(unknown)})" if unknown else "")
+    return [loaded.problem("run.kv_memory", kv_refusal(budget, smallest, what), KV_HINT)]
+
+
+def check_kv_memory(loaded: "LoadedPipeline") -> None:
+    """`kv_memory_problems` as a UserError (exit code 2), for the commands that load no model first."""
+    from kvflow.errors import UserError
+
+    problems = kv_memory_problems(loaded)
+    if problems:
+        raise UserError(problems)
+
+
+def kv_admission_lines(loaded: "LoadedPipeline", shapes: Optional[dict] = None) -> list[str]:
+    """What `run.kv_memory` admits: per proposer the bytes of a row and of a problem's rows (n
+    candidates + its state), and how many problems fit at the configured memory (full-context
+    rows counted at a typical prompt of TYPICAL_PROMPT_TOKENS tokens + limits.max_tokens)."""
+    from kvflow.kv_memory import AUTO_CPU_FRACTION, KVBudget, mem_available, human_bytes, parse_bytes
+
+    pipe = loaded.pipeline
+    value, max_tokens = pipe.run.kv_memory, pipe.limits.max_tokens
+    costs, unknown = static_row_costs(loaded, shapes)
+    if value is None:
+        head = "KV admission: by count (run.kv_memory unset); a problem's KV rows would take:"
+        bound = None
+    elif value == "auto":
+        bound = int(mem_available() * AUTO_CPU_FRACTION)
+        head = (f"KV admission: run.kv_memory auto, resolved when the engines load (on a CPU {AUTO_CPU_FRACTION:g} x "
+                f"the RAM available: {human_bytes(bound)} now; on a GPU 0.9 x its memory free after the weights):")
+    else:
+        bound = parse_bytes(value)
+        head = f"KV admission: run.kv_memory {value} = {bound} bytes ({human_bytes(bound)}):"
+    out = [head]
+    prompt = {c.name: TYPICAL_PROMPT_TOKENS for c in costs}
+    for c in costs:
+        row = c.row_bytes(TYPICAL_PROMPT_TOKENS, max_tokens)
+        kind = ("evicted row (budget + buffer + scratch slot)" if c.evicted_bytes is not None else
+                f"full-context row (prompt {TYPICAL_PROMPT_TOKENS} + limits.max_tokens {max_tokens} + 1 tokens)")
+        alone = f"; {bound // (c.rows * row)} problems fit on its rows alone" if bound else ""
+        out.append(f"  {c.name}: {human_bytes(row)} per {kind}, x {c.rows} rows (n={c.rows - 1} + the problem's "
+                   f"state) = {human_bytes(c.rows * row)} per problem{alone}")
+    for u in unknown:
+        out.append(f"  {u.split(' ', 1)[0]}: unknown {u.split(' ', 1)[1]}")
+    if costs:
+        budget = KVBudget(bound or 1, tuple(costs), max_tokens)
+        per = budget.problem_bytes(prompt)
+        line = f"  per problem {human_bytes(per)}"
+        if bound:
+            counts = [f"live_problems {pipe.run.live_problems}"] if pipe.run.live_problems else []
+            if "batch_problems" in pipe.run.model_fields_set:
+                counts.append(f"batch_problems {pipe.run.batch_problems}")
+            line += (f": {bound // per} problems in flight at this memory (with {TYPICAL_PROMPT_TOKENS}-token prompts"
+                     f"; at most {bound // budget.smallest_problem()} with empty ones)"
+                     + (f", and at most {' / '.join(counts)} by count" if counts else ""))
+        out.append(line + ("" if not unknown else " (the proposers of unknown shape not counted)"))
     return out
 
 

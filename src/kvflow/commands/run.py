@@ -61,6 +61,7 @@ def run(
     ```
     """
     from kvflow.config.validate import load_pipeline
+    from kvflow.explain import check_kv_memory
     from kvflow.runtime.progress import plain_log
 
     plain_log(log)
@@ -73,6 +74,7 @@ def run(
                              ray_address=ray_address)
             raise typer.Exit(code)
         loaded = load_pipeline(file, sets=set_ or (), unsets=unset or (), registry=plugin_registry())
+        check_kv_memory(loaded)  # before any model loads (once loaded, each prompt is checked)
         from kvflow.runtime.runner import run_pipeline  # heavy (torch, transformers): only here
 
         code = int(run_pipeline(loaded, force=force, **({"ray_address": ray_address} if ray_address else {})) or 0)

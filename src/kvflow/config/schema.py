@@ -9,7 +9,7 @@ exactly the same checks and error messages as built-in ones.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -110,10 +110,17 @@ class BaselinesConfig(Frozen):
 class RunConfig(Frozen):
     seed: int = 0
     batch_problems: int = Field(16, ge=1, description="Decode room per model, in problems: a model's forward "
-                                "decodes at most batch_problems x (candidates per problem on it) rows.")
+                                "decodes at most batch_problems x (candidates per problem on it) rows. With run.kv_memory, only where set.")
     live_problems: Optional[int] = Field(
         None, ge=1, description="Problems in flight at once (each holds its cache states); unset: 2 x "
-        "batch_problems, so that decode rows stay busy while some problems score, sync or wait for another model.")
+        "batch_problems, so that decode rows stay busy while some problems score, sync or wait for another model "
+        "(with run.kv_memory: no count bound).")
+    kv_memory: Optional[Union[int, str]] = Field(
+        None, description="KV bytes for the rows of every problem in flight (`2GiB`, `512MiB`, an int, or `auto`: "
+        "half the RAM available on a CPU, 0.9 of the GPU memory free after the weights): a problem is admitted only "
+        "while its rows fit beside the others' (evicted rows cost budget + buffer, full-context rows prompt + "
+        "limits.max_tokens), and batch_problems / live_problems then bound only where set. Unset: admission by "
+        "count. Results do not depend on it (docs/memory.md#admission-by-kv-memory).")
     output: str = Field("results", description="Parent directory of results directories.")
     delimiter: str = Field("\n\n", min_length=1, description="Step delimiter.")
     grade_timeout: float = Field(10.0, gt=0, description="Seconds before a grading call counts as wrong.")
@@ -149,6 +156,18 @@ class RunConfig(Frozen):
     worker_gpus: Optional[int] = Field(
         None, ge=0, description="GPUs per Ray worker (`executor: ray`); unset: one per GPU the pipeline's engines "
         "occupy (each distinct model entry 1, SGLang tp_size x dp_size x pp_size), 0 on a cluster without GPUs.")
+
+
+    @field_validator("kv_memory")
+    @classmethod
+    def _byte_size(cls, value: Optional[Union[int, str]]) -> Optional[Union[int, str]]:
+        """`auto`, or a byte size kept as written (its bytes: `kvflow.kv_memory.parse_bytes`)."""
+        from kvflow.kv_memory import parse_bytes
+
+        if value is None or value == "auto":
+            return value
+        parse_bytes(value)
+        return value
 
 
 #: request fields a pipeline decides (its proposers' sampling, one answer per request, no tools):

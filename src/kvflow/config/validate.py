@@ -82,7 +82,7 @@ class LoadedPipeline:
 #: where results go, not what any problem's result is: they are left out of the hash that
 #: names a results directory, so a larger `dataset.limit` (same seeded order) grows the same
 #: run, a different batch size resumes it, and so does another executor (local or Ray workers)
-NOT_HASHED = (("dataset", "limit"), ("run", "batch_problems"), ("run", "live_problems"), ("run", "threads"),
+NOT_HASHED = (("dataset", "limit"), ("run", "batch_problems"), ("run", "live_problems"), ("run", "threads"), ("run", "kv_memory"),
               ("run", "overlap_engines"), ("run", "output"), ("run", "executor"), ("run", "workers"), ("run", "worker_gpus"),
               # how `kvflow serve` answers requests changes no trajectory
               ("serve", "ignore"), ("serve", "queue"), ("serve", "retry_after"), ("serve", "max_body_bytes"),

@@ -135,6 +135,7 @@ def build_plan(loaded: LoadedPipeline, registry, on_load: Callable[[str], None] 
     loaded, placement = place_models(loaded, gpus)  # before any engine starts: refuses what cannot fit
     loaded = deterministic_engines(loaded)
     loaded = scorer_engines(loaded)
+    loaded = kv_memory_engines(loaded)
     pipe = loaded.pipeline
     engines: dict[str, object] = {}
     evicting = {p.model for p in pipe.proposers.values() if p.evictor.kind != "none"}
@@ -224,11 +225,83 @@ def _plan(loaded, pipe, placement, engines, engine_for):
     )
     scorer = loaded.components.scorer.cls(loaded.components.scorer.params, context)
     committer = loaded.components.committer.cls(loaded.components.committer.params, list(pipe.proposers))
-    plan = Plan(proposers, scorer, committer, pipe.limits, pipe.run.seed, batch_problems=pipe.run.batch_problems,
+    kv_budget = resolve_kv_memory(loaded, proposers)
+    written = pipe.run.model_fields_set  # with run.kv_memory, the count bounds apply only where the pipeline sets them
+    batch_problems = pipe.run.batch_problems if kv_budget is None or "batch_problems" in written else None
+    plan = Plan(proposers, scorer, committer, pipe.limits, pipe.run.seed, batch_problems=batch_problems,
                 live_problems=pipe.run.live_problems, record_candidates=pipe.run.record_candidates,
                 overlap=pipe.run.overlap_engines,
-                placement=placement)
+                placement=placement, kv_budget=kv_budget)
     return plan, engines
+
+
+def kv_budget_for(pipe, proposers, bound: int):
+    """The `KVBudget` of `bound` bytes over compiled `proposers` (each with its engine's KV shape)."""
+    from kvflow.kv_memory import KVBudget, row_cost
+
+    costs = tuple(row_cost(p.name, p.spec.n, p.evictor.params, *p.engine.kv_shape(),
+                           evictor=p.evictor if getattr(p.evictor, "bounded", False) else None) for p in proposers)
+    return KVBudget(bound, costs, pipe.limits.max_tokens)
+
+
+def resolve_kv_memory(loaded: LoadedPipeline, proposers):
+    """`run.kv_memory` as a `KVBudget` over the loaded proposers (None when unset): `auto` read
+    from the base model's device now that the weights are in memory. A bound that not even a
+    problem with an empty prompt fits is refused here, naming the field (before anything is
+    written); a longer prompt that does not fit is refused by `check_kv_memory`."""
+    from kvflow.kv_memory import KV_HINT, auto_kv_memory, kv_refusal, parse_bytes
+
+    pipe = loaded.pipeline
+    value = pipe.run.kv_memory
+    if value is None:
+        return None
+    if value == "auto":
+        bound, how = pools_bytes(proposers) or auto_kv_memory(str(proposers[0].engine.device))
+        if bound < 1:
+            raise UserError(loaded.problem("run.kv_memory", f"auto gives no memory ({how})", "give a byte size"))
+    else:
+        bound = parse_bytes(value)
+    budget = kv_budget_for(pipe, proposers, bound)
+    smallest = budget.smallest_problem()
+    if smallest > bound:
+        raise UserError(loaded.problem("run.kv_memory", kv_refusal(budget, smallest, "even with an empty prompt"),
+                                       KV_HINT))
+    return budget
+
+
+def pools_bytes(proposers):
+    """(bytes, how) of the KV pools SGLang resolved for the engines of `proposers` when every
+    one runs on SGLang (its pool is then `auto`'s bound: the memory SGLang found free after
+    the weights), else None."""
+    from kvflow.kv_memory import full_token_bytes
+
+    engines = {id(p.engine): p.engine for p in proposers}.values()
+    tokens = [int((getattr(e, "resolved", None) or {}).get("max_total_tokens") or 0) for e in engines]
+    if not all(tokens):
+        return None
+    total = 0
+    for e, t in zip(engines, tokens):
+        layers, heads, dim, elem = e.kv_shape()
+        total += t * layers * heads * full_token_bytes(dim, elem)
+    return total, "the KV pools SGLang resolved"
+
+
+def check_kv_memory(loaded: LoadedPipeline, plan, prompts) -> None:
+    """Every prompt of `prompts` ({problem id: prompt text}) fits `run.kv_memory` by itself,
+    else a UserError naming the field and the first problem that does not (before the run
+    writes anything)."""
+    from kvflow.kv_memory import KV_HINT, kv_refusal
+    from kvflow.runtime.scheduler import prompt_tokens
+
+    budget = plan.kv_budget
+    if budget is None:
+        return
+    for pid, prompt in prompts.items():
+        needed = budget.problem_bytes(prompt_tokens(plan, prompt))
+        if needed > budget.bound:
+            raise UserError(loaded.problem("run.kv_memory", kv_refusal(budget, needed, f"for problem {pid}"),
+                                           KV_HINT))
+
 
 
 def engine_facts(plan, engines: dict) -> dict:
@@ -269,6 +342,39 @@ def scorer_engines(loaded: LoadedPipeline) -> LoadedPipeline:
         extra = hook(scorer.params, models[key].backend)
         if extra:
             models[key] = models[key].model_copy(update={"engine": {**extra, **(models[key].engine or {})}})
+    return dataclasses.replace(loaded, pipeline=pipe.model_copy(update={"models": models}))
+
+
+#: SGLang settings that size its KV pool: an entry that sets one keeps its own pool under run.kv_memory
+POOL_SETTINGS = ("max_total_tokens", "mem_fraction_static")
+
+
+def kv_memory_engines(loaded: LoadedPipeline) -> LoadedPipeline:
+    """With `run.kv_memory` in bytes, the KV pool of each SGLang model a proposer runs on is
+    that many bytes (`max_total_tokens` = kv_memory / the model's KV bytes per token), unless
+    the entry sizes its pool itself (POOL_SETTINGS): the worker's pool is then the same bound
+    as the scheduler's, and SGLang admits candidates into it as slots free, with no room held
+    back by kvflow (the engines decode every admitted problem's rows: no `batch_problems` cap
+    unless it is set). `auto` leaves SGLang to size its pool from the free memory."""
+    import dataclasses
+
+    from kvflow.cost import kv_bytes_per_token, resolve_shape
+    from kvflow.kv_memory import DTYPE_BYTES, parse_bytes
+
+    pipe = loaded.pipeline
+    if pipe.run.kv_memory in (None, "auto"):
+        return loaded
+    bound = parse_bytes(pipe.run.kv_memory)
+    models = dict(pipe.models)
+    for key in {p.model for p in pipe.proposers.values()}:
+        m = models[key]
+        if m.backend != "sglang" or any(k in (m.engine or {}) for k in POOL_SETTINGS):
+            continue
+        try:
+            per_token = kv_bytes_per_token(resolve_shape(m.id), DTYPE_BYTES.get(m.dtype, 2))
+        except (UserError, OSError, ValueError):
+            continue  # a shape not readable here: SGLang sizes its pool as it would
+        models[key] = m.model_copy(update={"engine": {**(m.engine or {}), "max_total_tokens": int(bound // per_token)}})
     return dataclasses.replace(loaded, pipeline=pipe.model_copy(update={"models": models}))
 
 

@@ -12,6 +12,7 @@ import time
 from kvflow.config.validate import LoadedPipeline
 from kvflow.errors import UserError
 from kvflow.runtime.core import append_record, manifest, merge_occupancy, say
+from kvflow.runtime.scheduler import describe_admission
 from kvflow.runtime.results import ResultsDir
 
 HEARTBEAT_S = 10.0  # seconds between "in flight" lines when no problem has finished
@@ -24,6 +25,7 @@ def decode(loaded: LoadedPipeline, registry, store: ResultsDir, todo, quiet: boo
     pipe = loaded.pipeline
     on_load = lambda key: say(quiet, f"loading models.{key}: {pipe.models[key].id}")  # noqa: E731
     with Session(loaded, registry, on_load=on_load) as session:
+        session.check_kv_memory(todo)  # run.kv_memory: every problem fits by itself, before anything is written
         # the results directory is created only now that every model has loaded
         store.prepare(loaded.resolved, manifest(loaded, registry))
         store.update_manifest(**session.facts())
@@ -49,8 +51,7 @@ def decode(loaded: LoadedPipeline, registry, store: ResultsDir, todo, quiet: boo
                 say(False, f"[{tally.done}/{len(todo)}] {live} in flight, {t - heartbeat['start']:.0f} s, "
                            f"ETA {clock_text(tally.eta())}")
 
-            say(quiet, f"decoding {len(todo)} problems ({pipe.run.batch_problems} per decode batch, "
-                       f"{session.plan.live_problems or 2 * session.plan.batch_problems} in flight)")
+            say(quiet, f"decoding {len(todo)} problems ({describe_admission(session.plan)})")
             try:
                 session.decode((session.trajectory(p) for p in todo), on_done, on_tick=on_tick)
             finally:
@@ -61,6 +62,9 @@ def decode(loaded: LoadedPipeline, registry, store: ResultsDir, todo, quiet: boo
                     stats = summary["engine_stats"]
                     store.update_manifest(occupancy=merge_occupancy(store.manifest().get("occupancy"),
                                                                     summary["occupancy"]),
-                                          **({"engine_stats": stats} if stats else {}))
+                                          **({"engine_stats": stats} if stats else {}),
+                                          **({"kv_admission": summary["kv_admission"]}
+                                             if "kv_admission" in summary else {}))
                 except (OSError, UserError):
                     pass
+

@@ -10,7 +10,14 @@ no backend.
 
 Bounds (`Plan`): each engine decodes at most `batch_problems` × (candidates per problem on
 that engine) rows per forward; up to `live_problems` problems are in flight, so that the
-decode batch stays full while some problems score, sync, or wait for another engine.
+decode batch stays full while some problems score, sync, or wait for another engine. With
+`kv_budget` (`run.kv_memory`, `kvflow.kv_memory.KVBudget`) a problem is admitted only while
+the KV bytes its rows can grow to fit beside those of the problems in flight (reserved at
+admission, given back when it ends), and the count bounds are None unless the pipeline sets
+them. Problems are admitted after every round of forwards (one per busy engine), not only
+when a problem reaches a step boundary: a problem that ends, or a request that arrives,
+frees or takes room at the next forward. One taken from the source that does not fit yet
+waits, first in line, until problems in flight end.
 
 Results do not depend on scheduling: candidate i of a problem's step s on proposer p samples
 from row_seed(row_seed(seed, problem, p, s), i) whatever else is decoded with it. `problem` is
@@ -53,6 +60,7 @@ from typing import Callable, Iterable, Optional, Sequence
 from kvflow.components.base import Candidate, Committer, Evictor, Scorer, ScoreRequest, Step, Trajectory
 from kvflow.components.engine import Engine, Proposal, ProposeRequest, SamplingSpec, StartRequest, SyncRequest, row_seed
 from kvflow.config.schema import LimitsConfig
+from kvflow.kv_memory import KVBudget, human_bytes
 from kvflow.timing import NULL_CLOCK, PhaseClock
 
 
@@ -75,18 +83,41 @@ class Plan:
     committer: Committer
     limits: LimitsConfig
     seed: int
-    batch_problems: int = 16  # decode room per engine, in problems
-    live_problems: Optional[int] = None  # problems in flight; None = 2 x batch_problems
+    batch_problems: Optional[int] = 16  # decode room per engine, in problems (None: memory decides, kv_budget)
+    live_problems: Optional[int] = None  # problems in flight; None = 2 x batch_problems (no bound: kv_budget)
     record_candidates: bool = False  # keep every candidate of every step on the trajectory (run.record_candidates)
     placement: Optional[object] = None  # kvflow.placement.Placement of the models on GPUs (None: no GPU)
     overlap: str = "auto"  # run.overlap_engines: auto | on | off (see the module docstring)
+    kv_budget: Optional[KVBudget] = None  # run.kv_memory: admission by KV bytes (see the module docstring)
 
     def engines(self) -> list[Engine]:
         return list({id(p.engine): p.engine for p in self.proposers}.values())
 
-    def row_bound(self, engine: Engine) -> int:
-        """Most candidate rows `engine` decodes per forward."""
+    def max_live(self) -> Optional[int]:
+        """Most problems in flight by count (None: only `kv_budget` bounds them)."""
+        if self.live_problems is not None:
+            return self.live_problems
+        if self.batch_problems is None:
+            return None
+        return 2 * self.batch_problems
+
+    def room_in_problems(self) -> int:
+        """Problems in flight at most: the count bound, or (memory alone) how many problems
+        with an empty prompt `kv_budget` holds, the most it can ever admit."""
+        count = self.max_live()
+        if self.kv_budget is None:
+            return count
+        memory = max(1, self.kv_budget.problems_that_fit())
+        return memory if count is None else min(count, memory)
+
+    def row_bound(self, engine: Engine) -> Optional[int]:
+        """Most candidate rows `engine` decodes per forward (None: as many as are admitted)."""
+        if self.batch_problems is None:
+            return None
         return self.batch_problems * sum(p.spec.n for p in self.proposers if p.engine is engine)
+
+    def rows_per_problem(self, engine: Engine) -> int:
+        return sum(p.spec.n for p in self.proposers if p.engine is engine)
 
 
 @dataclass
@@ -97,6 +128,14 @@ class Occupancy:
     rows: dict[str, int] = field(default_factory=dict)
     bound: dict[str, int] = field(default_factory=dict)
     overlapped: dict[str, int] = field(default_factory=dict)  # steps run while another engine ran too
+    # run.kv_memory: the bound, and the peaks of the bytes reserved, problems and candidate rows in flight
+    kv: dict[str, int] = field(default_factory=dict)
+
+    def admitted(self, reserved: int, problems: int, rows: int) -> None:
+        kv = self.kv
+        kv["peak_bytes"] = max(kv.get("peak_bytes", 0), reserved)
+        kv["peak_problems"] = max(kv.get("peak_problems", 0), problems)
+        kv["peak_rows"] = max(kv.get("peak_rows", 0), rows)
 
     def summary(self) -> dict:
         return {name: {"forwards": f, "mean_rows": round(self.rows[name] / f, 3) if f else 0.0,
@@ -107,13 +146,97 @@ class Occupancy:
 
 
 class _Problem:
-    def __init__(self, traj: Trajectory, clock) -> None:
+    def __init__(self, traj: Trajectory, clock, kv_bytes: int = 0) -> None:
         self.traj = traj
+        self.kv_bytes = kv_bytes  # what it reserves of run.kv_memory while in flight
         self.states: dict[str, object] = {}
         self.proposals: dict[str, Proposal] = {}
         self.waiting: set[str] = set()
+        self.admit(clock)
+
+    def admit(self, clock) -> None:
         self.admitted = time.perf_counter()
         self.phases_at_admission = clock.snapshot()
+
+
+class ProblemTooLarge(ValueError):
+    """A problem whose rows alone need more than run.kv_memory (refused before the run starts
+    by `kvflow.runtime.compile.check_kv_memory`; this is the scheduler's backstop)."""
+
+
+class _Admission:
+    """Which problems of the source go in flight next: by count (`Plan.max_live`) and, with
+    `Plan.kv_budget`, by the KV bytes their rows reserve. A problem taken from the source that
+    does not fit yet is held (sources are consumed lazily and cannot take one back) and
+    admitted first once enough problems have ended."""
+
+    def __init__(self, plan: Plan, source, clock, occupancy: Occupancy, cancelled) -> None:
+        self.plan, self.source, self.clock, self.occupancy = plan, source, clock, occupancy
+        self.cancelled = cancelled
+        self.max_live = plan.max_live()
+        self.held: Optional[_Problem] = None
+        self.exhausted = False
+        self.reserved = 0  # bytes of run.kv_memory reserved by the problems in flight
+
+    def next(self, live: list) -> tuple[list, list]:
+        """(problems to start now, problems cancelled before they started)."""
+        admitted, dropped = [], []
+        while self.max_live is None or len(live) + len(admitted) < self.max_live:
+            if self.held is None:
+                if self.exhausted:
+                    break
+                traj = next(self.source, _END)
+                if traj is _END:
+                    self.exhausted = True
+                    break
+                if traj is None:  # nothing ready yet: decode on, ask again after the next step
+                    break
+                self.held = _Problem(traj, self.clock, self._bytes(traj))
+            p = self.held
+            if self.cancelled is not None and self.cancelled(p.traj):  # gone while it waited for room
+                self.held = None
+                dropped.append(p)
+                continue
+            if self.plan.kv_budget is not None and self.reserved + p.kv_bytes > self.plan.kv_budget.bound:
+                if not live and not admitted:
+                    raise ProblemTooLarge(f"problem {p.traj.problem_id} needs {p.kv_bytes} bytes of KV alone, more "
+                                          f"than run.kv_memory {self.plan.kv_budget.bound}")
+                break
+            self.held = None
+            p.admit(self.clock)
+            self.reserved += p.kv_bytes
+            admitted.append(p)
+        if admitted and self.plan.kv_budget is not None:
+            problems = len(live) + len(admitted)
+            self.occupancy.admitted(self.reserved, problems,
+                                    problems * sum(p.spec.n for p in self.plan.proposers))
+        return admitted, dropped
+
+    def ended(self, problems) -> None:
+        for p in problems:
+            self.reserved -= p.kv_bytes
+
+    @property
+    def done(self) -> bool:
+        return self.exhausted and self.held is None
+
+    def _bytes(self, traj: Trajectory) -> int:
+        budget = self.plan.kv_budget
+        return 0 if budget is None else budget.problem_bytes(prompt_tokens(self.plan, traj.prompt))
+
+
+_END = object()
+
+
+def prompt_tokens(plan: Plan, prompt: str) -> dict[str, int]:
+    """A prompt's length in each proposer's tokens (what its full-context rows start from)."""
+    lengths: dict[int, int] = {}
+    out = {}
+    for p in plan.proposers:
+        if id(p.engine) not in lengths:
+            lengths[id(p.engine)] = len(p.engine.encode(prompt))
+        out[p.name] = lengths[id(p.engine)]
+    return out
 
 
 def run(plan: Plan, trajectories: Iterable[Trajectory], on_done: Callable[[Trajectory], None], *,
@@ -132,7 +255,10 @@ def run(plan: Plan, trajectories: Iterable[Trajectory], on_done: Callable[[Traje
     names = {id(e): "+".join(p.name for p in plan.proposers if p.engine is e) for e in plan.engines()}
     for e in plan.engines():
         e.clock, e.label = clock, names[id(e)]
-        occupancy.bound[names[id(e)]] = plan.row_bound(e)
+        bound = plan.row_bound(e)
+        occupancy.bound[names[id(e)]] = bound if bound is not None else plan.room_in_problems() * plan.rows_per_problem(e)
+    if plan.kv_budget is not None:
+        occupancy.kv["bound"] = plan.kv_budget.bound
     overlap = _Overlap(plan, clock, names)
     try:
         _loop(plan, iter(trajectories), on_done, clock, occupancy, overlap, names, timings, on_tick,
@@ -147,25 +273,19 @@ def _problem_key(traj: Trajectory) -> str:
 
 def _loop(plan: Plan, source, on_done, clock, occupancy: Occupancy, overlap: "_Overlap", names: dict[int, str],
           timings: Optional[dict], on_tick, cancelled=None, key=_problem_key) -> None:
-    max_live = plan.live_problems or 2 * plan.batch_problems
+    admission = _Admission(plan, source, clock, occupancy, cancelled)
     live: list[_Problem] = []
-    exhausted = False
     while True:
-        if not exhausted and len(live) < max_live:
-            admitted = []
-            for traj in source:
-                if traj is None:  # nothing ready yet: decode on, ask again after the next step
-                    break
-                admitted.append(_Problem(traj, clock))
-                if len(live) + len(admitted) >= max_live:
-                    break
-            else:
-                exhausted = True
-            if admitted:
-                _start(plan, admitted, clock, key)
-                live += admitted
+        admitted, dropped = admission.next(live)
+        if dropped:  # cancelled before they started: nothing to release
+            for p in dropped:
+                p.traj.finish = p.traj.finish or "cancelled"
+            _retire(dropped, dropped[:], timings, clock, on_done)
+        if admitted:
+            _start(plan, admitted, clock, key)
+            live += admitted
         if not live:
-            if exhausted:
+            if admission.done:
                 return
             continue
         busy = [e for e in plan.engines() if e.busy_rows()]
@@ -190,9 +310,12 @@ def _loop(plan: Plan, source, on_done, clock, occupancy: Occupancy, overlap: "_O
             if dropped:
                 _drop(plan, dropped, clock)
                 ready = [p for p in ready if p not in dropped]
+                admission.ended(dropped)
                 _retire(dropped, live, timings, clock, on_done)
         if ready:
-            _retire(_advance(plan, ready, clock, key), live, timings, clock, on_done)
+            done = _advance(plan, ready, clock, key)
+            admission.ended(done)
+            _retire(done, live, timings, clock, on_done)
 
 
 def _retire(ended: list, live: list, timings, clock, on_done) -> None:
@@ -443,3 +566,14 @@ def _finish_if_done(traj: Trajectory, winner: Candidate, limits: LimitsConfig) -
         traj.finish = "cap_steps"
     elif traj.committed_tokens >= limits.max_tokens:
         traj.finish = "cap_tokens"
+
+
+def describe_admission(plan: Plan) -> str:
+    """How problems are admitted, in words (the run's first progress line)."""
+    count = plan.max_live()
+    if plan.kv_budget is None:
+        return f"{plan.batch_problems} per decode batch, {count} in flight"
+    text = f"in flight while their KV fits run.kv_memory {human_bytes(plan.kv_budget.bound)}"
+    if plan.batch_problems is not None:
+        text += f", {plan.batch_problems} per decode batch"
+    return text + (f", at most {count}" if count is not None else "")

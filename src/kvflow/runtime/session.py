@@ -68,6 +68,22 @@ class Session:
 
         return {"threads": torch.get_num_threads(), **compile_.engine_facts(self.plan, self.engines)}
 
+    def check_kv_memory(self, problems) -> None:
+        """Each problem fits `run.kv_memory` by itself (its prompt rendered and tokenized), else
+        a UserError naming the field: called before anything is written."""
+        from kvflow.eval.prompts import render_prompt
+
+        template = self.loaded.pipeline.dataset.prompt
+        compile_.check_kv_memory(self.loaded, self.plan, {
+            p.id: render_prompt(template, p.question, self.base.tokenizer) for p in problems})
+
+    def fits_alone(self, prompt: str) -> bool:
+        """Whether a problem with this prompt fits `run.kv_memory` by itself (always, without it)."""
+        from kvflow.runtime.scheduler import prompt_tokens
+
+        budget = self.plan.kv_budget
+        return budget is None or budget.problem_bytes(prompt_tokens(self.plan, prompt)) <= budget.bound
+
     def trajectory(self, problem, prompt: Optional[str] = None):
         """A problem as the scheduler takes it: its prompt rendered (or `prompt`, the exact text
         for the base model, as a server renders a request), its clock started (call it when the
@@ -114,5 +130,7 @@ class Session:
         return {e.label: e.stats() for e in self.plan.engines() if callable(getattr(e, "stats", None))}
 
     def summary(self) -> dict:
-        """This session's decode occupancy and engine counters."""
-        return {"occupancy": self.occupancy.summary(), "engine_stats": self.engine_stats()}
+        """This session's decode occupancy and engine counters (and, with run.kv_memory, its
+        bound and the peaks of the bytes reserved, problems and candidate rows in flight)."""
+        return {"occupancy": self.occupancy.summary(), "engine_stats": self.engine_stats(),
+                **({"kv_admission": dict(self.occupancy.kv)} if self.occupancy.kv else {})}

@@ -77,7 +77,7 @@ class Loop:
                  on_dead: Callable[[], None] = lambda: None) -> None:
         self.session, self.metrics, self.record, self.on_dead = session, metrics, record, on_dead
         plan = session.plan
-        self.max_live = plan.live_problems or 2 * plan.batch_problems
+        self.max_live = plan.room_in_problems()  # by count, or the most run.kv_memory can admit
         self.capacity = self.max_live + queue
         self.base = plan.proposers[0].engine
         self.cv = threading.Condition()
@@ -98,6 +98,9 @@ class Loop:
         self.thread.start()
 
     def submit(self, job: Job) -> None:
+        if not self.session.fits_alone(job.prompt):  # it would never be admitted (tokenized outside the lock)
+            raise ApiError(400, "this prompt's KV rows alone need more than the server's run.kv_memory",
+                           code="kv_memory")
         with self.cv:
             if self.dead:
                 raise ApiError(503, f"the server is stopping: {self.dead}", code="engine_dead")

@@ -118,8 +118,10 @@ def serve(loaded: LoadedPipeline, registry, *, host: str = "127.0.0.1", port: in
         server = _make_server(config, loop, grace)
         holder["server"] = server
         loop.start()
-        say(quiet, f"serving {pipe.name} on http://{host}:{port}/v1 ({session.plan.batch_problems} problems per "
-                   f"decode batch, {loop.max_live} in flight, {pipe.serve.queue} queued"
+        from kvflow.runtime.scheduler import describe_admission
+
+        say(quiet, f"serving {pipe.name} on http://{host}:{port}/v1 ({describe_admission(session.plan)}, "
+                   f"{pipe.serve.queue} queued"
                    f"{', API key required' if api_key else ''})")
         try:
             try:

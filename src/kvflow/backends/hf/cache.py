@@ -350,6 +350,8 @@ class BudgetedCache(LayerAllocation, Cache):
         dev = keep.to(self.device)
 
         def take(t: torch.Tensor) -> torch.Tensor:  # slices of consecutive rows: plain copies
+            if not runs:  # every row given back (torch.cat needs at least one slice)
+                return t[:0].clone()
             return torch.cat([t[a:b] for a, b in runs]) if len(runs) <= 64 else t.index_select(0, dev)
 
         for layer in self.layers:
