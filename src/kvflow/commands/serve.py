@@ -26,6 +26,8 @@ def serve(
         None, "--record", metavar="DIR",
         help="Append every answered request to DIR/samples.jsonl as a results record, for `kvflow view` "
              "and `kvflow report`."),
+    metrics_public: bool = typer.Option(
+        False, "--metrics-public", help="Serve /metrics without the API key (for a Prometheus scraper without it)."),
 ) -> None:
     """Serve a pipeline behind an OpenAI-compatible API (chat and text completions).
 
@@ -61,5 +63,6 @@ def serve(
         loaded = load_pipeline(file, sets=set_ or (), unsets=unset or (), registry=plugin_registry())
         from kvflow.serve.server import serve as serve_  # heavy (torch, fastapi): only here
 
-        code = serve_(loaded, plugin_registry(), host=host, port=port, grace=grace, api_key=api_key, record=record)
+        code = serve_(loaded, plugin_registry(), host=host, port=port, grace=grace, api_key=api_key, record=record,
+                      metrics_public=metrics_public)
     raise typer.Exit(code)
