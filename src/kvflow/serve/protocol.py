@@ -139,7 +139,7 @@ def _common(body: Any, allowed: set, ignore: frozenset, served_model: str, max_t
     if kind == "chat" and body.get("max_completion_tokens") is not None:
         limit_name, value = "max_completion_tokens", body["max_completion_tokens"]
     if value is None:
-        value = max_tokens_limit
+        value = 0 if scoring else max_tokens_limit
     if isinstance(value, bool) or not isinstance(value, int) or value < (0 if scoring else 1):
         raise ApiError(400, f"`{limit_name}` must be a positive integer", param=limit_name)
     if scoring and value > 1:
