@@ -426,6 +426,16 @@ def test_records_read_by_kvflow_report(server, tmp_path):
     done = subprocess.run([*KVFLOW, "report", str(server.record), "--out", str(tmp_path / "report")],
                           capture_output=True, text=True, timeout=300, env=server.env)
     assert done.returncode == 0, done.stderr
+    # served traffic is "served", with no accuracy, and its own table (issue 40)
+    import csv
+
+    (run,) = csv.DictReader((tmp_path / "report" / "runs.csv").open())
+    assert run["complete"] == "served" and run["accuracy"] == "" and run["degeneration rate"] == ""
+    (served,) = csv.DictReader((tmp_path / "report" / "served.csv").open())
+    assert int(served["requests"]) == len(records)
+    assert int(served["completion tokens"]) == sum(r["served"]["completion_tokens"] for r in records)
+    assert int(served["steps: base"]) + int(served["steps: helper"]) == sum(len(r["steps"]) for r in records)
+    assert 0 < float(served["latency p50 s"]) <= float(served["latency p95 s"])
 
 
 def _descendants(pid: int) -> set[int]:
