@@ -309,7 +309,8 @@ def test_bad_requests_are_4xx(server, what, body, status, param):
 
 
 def test_bad_completions_and_server_still_well(server):
-    for body, param in (({"model": "tiny", "prompt": ""}, "prompt"), ({"model": "tiny", "prompt": [[1], [2]]}, "prompt"),
+    for body, param in (({"model": "tiny", "prompt": ""}, "prompt"),
+                        ({"model": "tiny", "prompt": [[1], [2]]}, "prompt"),
                         ({"model": "tiny", "prompt": [1, -2]}, "prompt"),
                         ({"model": "tiny", "prompt": "x", "echo": True, "max_tokens": 5}, "max_tokens"),
                         ({"model": "tiny", "prompt": "x", "echo": True, "logprobs": 50}, "logprobs"),

@@ -57,7 +57,8 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}.get(self.status, "server_error")
+                405: "invalid_request_error", 413: "invalid_request_error",
+                429: "rate_limit_error"}.get(self.status, "server_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
