@@ -26,6 +26,25 @@ from kvflow.backends.hf.cache import BudgetedCache
 from kvflow.backends.hf.rows import new_rows
 
 
+def _trim_heap() -> None:
+    """Hand the C heap's free memory back to the system (glibc's malloc_trim; elsewhere nothing):
+    a pool's storage, freed when it goes idle, would otherwise stay in the process's resident
+    memory, fragmented, and a server's RSS would creep up with every burst it serves."""
+    global _MALLOC_TRIM
+    if _MALLOC_TRIM is None:
+        try:
+            import ctypes
+
+            _MALLOC_TRIM = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _MALLOC_TRIM = False
+    if _MALLOC_TRIM:
+        _MALLOC_TRIM(0)
+
+
+_MALLOC_TRIM = None
+
+
 class RowPool:
     """The rows of every running proposal of one engine with one evictor, in one cache.
 
@@ -69,6 +88,7 @@ class RowPool:
             if n and len(self.free) == n:  # idle: back to a new pool (see the class docstring)
                 self.cache = self._new_cache()
                 self.free = []
+                _trim_heap()
                 return True
             if n < min_rows or 2 * (n - len(self.free)) > n:
                 return False
