@@ -34,7 +34,10 @@ def serve(
     Loads the pipeline's engines once and answers `POST /v1/chat/completions` (messages
     rendered with the base model's chat template) and `POST /v1/completions` (a raw
     prompt), streamed or not, plus `GET /v1/models` (the pipeline's name is the model id),
-    `GET /health` and `GET /metrics` (Prometheus text). Every request is a problem on the
+    `GET /health` and `GET /metrics` (Prometheus text), and the base model's tokenizer as
+    vLLM serves it (`/tokenize`, `/detokenize`, `/tokenizer_info`). A completion with
+    `echo: true` and `max_tokens` 0 or 1 is a scoring request (an evaluation harness's
+    loglikelihood): the prompt's token logprobs under the base model with a full cache. Every request is a problem on the
     pipeline's step scheduler: requests from all clients decode together within
     `run.batch_problems` / `run.live_problems`, and a streamed answer sends each committed
     step as it is committed, with kvflow's facts (source proposer, score, candidates,
@@ -42,9 +45,11 @@ def serve(
 
     `max_tokens`, `seed` and `stop` are honoured; fields the pipeline decides
     (`temperature`, `top_p`, `n` > 1, `logprobs`, tools, `response_format`) are refused with
-    a 400 unless the pipeline's `serve.ignore` lists them. Binds 127.0.0.1 unless told
-    otherwise; another address needs an API key. SIGTERM or Ctrl-C stops accepting, lets
-    requests in flight finish within `--grace` seconds, then cancels the rest.
+    a 400 unless the pipeline's `serve.ignore` lists them (or is "*"); a `max_tokens` past
+    `limits.max_tokens` is refused, or lowered with `serve.clamp_max_tokens`. A client that
+    goes away cancels its request. Binds 127.0.0.1 unless told otherwise; another address
+    needs an API key. SIGTERM or Ctrl-C drains: new requests get 503 and /health says
+    "draining" while requests in flight finish within `--grace` seconds; the rest is cancelled.
 
     Needs the `serve` extra (FastAPI, uvicorn).
     \f
