@@ -223,3 +223,40 @@ def test_a_pool_whose_rows_were_all_given_back_shrinks_to_none_and_decodes_on():
         outs.append([c.token_ids for c in done[0].candidates])
     assert pool.cache.n_rows == 2  # shrunk to none, then grown for the new proposal's rows
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("kind", ["random", "none"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_idle_engine_decodes_as_a_new_one(kind, dtype):
+    """After other proposals have come and gone (more rows, longer ones), an idle engine's pools
+    hold no rows and no slots, as a new engine's, so a proposal decoded alone then gets the
+    tokens it gets on a new engine: what a server answers does not depend on what it served
+    before (issue 40; the rows in a forward change its float rounding)."""
+    from kvflow.components.engine import ProposeRequest, SamplingSpec, StartRequest
+
+    ev = _evictors()[kind]
+    spec = SamplingSpec(2, 1.0, 1.0, 12, "\x00\x01")
+
+    def alone(engine):
+        (state,) = engine.start([StartRequest(QUESTION, ev, 0)])
+        engine.submit([ProposeRequest(state, "base", spec, 7, 100)])
+        done = []
+        while engine.busy_rows():
+            done += engine.step()
+        tokens = [c.token_ids for c in done[0].candidates]
+        engine.release([state], done)
+        return tokens
+
+    fresh = alone(tiny_engine("qwen2", seed=1, dtype=dtype))
+    engine = tiny_engine("qwen2", seed=1, dtype=dtype)
+    states = engine.start([StartRequest(QUESTION + " and more" * i, ev, i) for i in range(4)])
+    engine.submit([ProposeRequest(s, "base", SamplingSpec(3, 1.0, 1.0, 20, "\x00\x01"), i, 100)
+                   for i, s in enumerate(states)])
+    done = []
+    while engine.busy_rows():
+        done += engine.step()
+    engine.release(states, done)
+    del done, states
+    engine.step()  # idle: nothing to decode
+    assert [p.cache.n_rows for _, p in engine.pools.values()] == [0]
+    assert alone(engine) == fresh

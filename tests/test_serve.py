@@ -6,8 +6,10 @@ What is checked: answers (non-streamed and streamed, each committed step one chu
 kvflow's facts, usage per proposer); a served request equals `kvflow run` for the same prompt
 and seed (same committed steps); seed/stop/max_tokens honoured; 32 concurrent clients (each
 answered or 429 with Retry-After); every bad request a 4xx and the server still well; the API
-key; a client that goes away mid-stream (cancelled, rows back to idle); records for `kvflow
-report`; SIGTERM drains the request in flight and leaves no process behind.
+key; a client that goes away mid-stream or while waiting for a whole answer (a closed socket,
+the SDK's timeout: cancelled, rows back to idle); unknown routes in OpenAI's error shape;
+records for `kvflow report`; SIGTERM drains the request in flight (/health says "draining",
+new requests get 503) and leaves no process behind.
 """
 
 from __future__ import annotations
@@ -264,6 +266,8 @@ def test_32_concurrent_clients(server):
     for r in replies:
         if r.status_code == 429:
             assert r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "rate_limit_error"
+            assert "12 requests accepted" in r.json()["error"]["message"]  # 4 in flight + 8 queued, however split
+            assert "4 decoding at once" in r.json()["error"]["message"]
         else:
             assert r.json()["usage"]["completion_tokens"] <= 8
     health = server.wait_idle()
@@ -305,10 +309,19 @@ def test_bad_requests_are_4xx(server, what, body, status, param):
 
 
 def test_bad_completions_and_server_still_well(server):
-    for body in ({"model": "tiny", "prompt": ""}, {"model": "tiny", "prompt": [1, 2, 3]},
-                 {"model": "tiny", "prompt": "x", "echo": True}, {"model": "tiny", "prompt": "x", "best_of": 3}):
-        assert server.post("/v1/completions", body).status_code == 400
-    assert server.post("/v1/nothing", CHAT).status_code == 404
+    for body, param in (({"model": "tiny", "prompt": ""}, "prompt"),
+                        ({"model": "tiny", "prompt": [[1], [2]]}, "prompt"),
+                        ({"model": "tiny", "prompt": [1, -2]}, "prompt"),
+                        ({"model": "tiny", "prompt": "x", "echo": True, "max_tokens": 5}, "max_tokens"),
+                        ({"model": "tiny", "prompt": "x", "echo": True, "logprobs": 50}, "logprobs"),
+                        ({"model": "tiny", "prompt": "x", "logprobs": 1}, "logprobs"),
+                        ({"model": "tiny", "prompt": "x", "best_of": 3}, "best_of")):
+        reply = server.post("/v1/completions", body)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
+    for reply, status in ((server.post("/v1/nothing", CHAT), 404), (server.get("/v1/chat/completions"), 405)):
+        assert reply.status_code == status
+        assert reply.json()["error"]["type"] == "invalid_request_error" if status == 405 else "not_found_error"
+        assert reply.json()["error"]["message"]
     assert server.client().chat.completions.create(model="tiny", messages=CHAT["messages"], max_tokens=4).choices
     assert server.metric('kvflow_requests_total{endpoint="/v1/chat/completions",status="500"}') == 0
 
@@ -378,6 +391,35 @@ def test_client_gone_mid_stream_cancels_and_rows_return_to_idle(server):
     assert steps - steps_before < 2 * 10  # each stopped well before its 10 steps
 
 
+LONG = {**CHAT, "seed": 4}  # 10 committed steps (limits.max_steps), about a second here
+
+
+def test_client_gone_while_waiting_for_a_whole_answer_cancels(server):
+    """Not streamed: a client whose socket closes, and the SDK's timeout, each cancel their request
+    at its next step boundary (counted cancelled, answered 499, rows back to idle), instead of
+    decoding to the end."""
+    before = server.metric("kvflow_requests_cancelled_total")
+    closed = server.metric('kvflow_requests_total{endpoint="/v1/chat/completions",status="499"}')
+    steps_before = server.metric('kvflow_committed_steps_total{source="base"}') + \
+        server.metric('kvflow_committed_steps_total{source="helper"}')
+    body = json.dumps(LONG).encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as raw:
+        raw.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                    b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        time.sleep(0.25)
+    server.wait_idle()
+    with pytest.raises(openai.APITimeoutError):
+        openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=0.25).chat.completions.create(
+            model="tiny", messages=LONG["messages"], seed=LONG["seed"])
+    health = server.wait_idle()
+    assert health["in_flight"] == 0 and health["rows"] == {"base": 0, "helper": 0}, health
+    assert server.metric("kvflow_requests_cancelled_total") == before + 2
+    assert server.metric('kvflow_requests_total{endpoint="/v1/chat/completions",status="499"}') == closed + 2
+    steps = server.metric('kvflow_committed_steps_total{source="base"}') + \
+        server.metric('kvflow_committed_steps_total{source="helper"}')
+    assert steps - steps_before < 2 * 10  # each stopped before its 10 steps
+
+
 def test_records_read_by_kvflow_report(server, tmp_path):
     records = [json.loads(line) for line in (server.record / "samples.jsonl").read_text().splitlines()]
     assert records and all(r["id"] == r["request_id"] and "timing" in r and r["served"]["finish_reason"]
@@ -385,6 +427,16 @@ def test_records_read_by_kvflow_report(server, tmp_path):
     done = subprocess.run([*KVFLOW, "report", str(server.record), "--out", str(tmp_path / "report")],
                           capture_output=True, text=True, timeout=300, env=server.env)
     assert done.returncode == 0, done.stderr
+    # served traffic is "served", with no accuracy, and its own table (issue 40)
+    import csv
+
+    (run,) = csv.DictReader((tmp_path / "report" / "runs.csv").open())
+    assert run["complete"] == "served" and run["accuracy"] == "" and run["degeneration rate"] == ""
+    (served,) = csv.DictReader((tmp_path / "report" / "served.csv").open())
+    assert int(served["requests"]) == len(records)
+    assert int(served["completion tokens"]) == sum(r["served"]["completion_tokens"] for r in records)
+    assert int(served["steps: base"]) + int(served["steps: helper"]) == sum(len(r["steps"]) for r in records)
+    assert 0 < float(served["latency p50 s"]) <= float(served["latency p95 s"])
 
 
 def _descendants(pid: int) -> set[int]:
@@ -400,7 +452,8 @@ def _descendants(pid: int) -> set[int]:
 
 
 def test_sigterm_drains_and_leaves_no_process(server):
-    """Last: SIGTERM while a stream is in flight: it is answered to its end, the process exits 0
+    """Last: SIGTERM while a stream is in flight: the server drains (/health answers 503
+    "draining", a new request 503), the stream is answered to its end, the process exits 0
     within the grace period, and none of its child processes is left."""
     children = _descendants(server.proc.pid)  # the grader's worker, once a grade needed it; SGLang's workers
     got: dict = {}
@@ -409,7 +462,7 @@ def test_sigterm_drains_and_leaves_no_process(server):
     def stream():
         chunks = []
         with httpx.stream("POST", server.url + "/v1/chat/completions", headers=server.headers, timeout=120,
-                          json={**CHAT, "stream": True, "seed": 3}) as reply:
+                          json={**LONG, "stream": True}) as reply:
             for line in reply.iter_lines():
                 if line.startswith("data: "):
                     chunks.append(line[6:])
@@ -420,6 +473,12 @@ def test_sigterm_drains_and_leaves_no_process(server):
     t.start()
     assert first.wait(60)
     server.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 5
+    while (health := httpx.get(server.url + "/health", timeout=5)).status_code == 200 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert health.status_code == 503 and health.json()["status"] == "draining", health.text
+    late = server.post("/v1/chat/completions", CHAT)
+    assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
     assert server.proc.wait(60) == 0, server.log.read_text()
     t.join(30)
     assert got["chunks"][-1] == "[DONE]" and json.loads(got["chunks"][-2])["choices"][0]["finish_reason"]

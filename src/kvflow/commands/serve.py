@@ -26,13 +26,18 @@ def serve(
         None, "--record", metavar="DIR",
         help="Append every answered request to DIR/samples.jsonl as a results record, for `kvflow view` "
              "and `kvflow report`."),
+    metrics_public: bool = typer.Option(
+        False, "--metrics-public", help="Serve /metrics without the API key (for a Prometheus scraper without it)."),
 ) -> None:
     """Serve a pipeline behind an OpenAI-compatible API (chat and text completions).
 
     Loads the pipeline's engines once and answers `POST /v1/chat/completions` (messages
     rendered with the base model's chat template) and `POST /v1/completions` (a raw
     prompt), streamed or not, plus `GET /v1/models` (the pipeline's name is the model id),
-    `GET /health` and `GET /metrics` (Prometheus text). Every request is a problem on the
+    `GET /health` and `GET /metrics` (Prometheus text), and the base model's tokenizer as
+    vLLM serves it (`/tokenize`, `/detokenize`, `/tokenizer_info`). A completion with
+    `echo: true` and `max_tokens` 0 or 1 is a scoring request (an evaluation harness's
+    loglikelihood): the prompt's token logprobs under the base model with a full cache. Every request is a problem on the
     pipeline's step scheduler: requests from all clients decode together within
     `run.batch_problems` / `run.live_problems`, and a streamed answer sends each committed
     step as it is committed, with kvflow's facts (source proposer, score, candidates,
@@ -40,9 +45,11 @@ def serve(
 
     `max_tokens`, `seed` and `stop` are honoured; fields the pipeline decides
     (`temperature`, `top_p`, `n` > 1, `logprobs`, tools, `response_format`) are refused with
-    a 400 unless the pipeline's `serve.ignore` lists them. Binds 127.0.0.1 unless told
-    otherwise; another address needs an API key. SIGTERM or Ctrl-C stops accepting, lets
-    requests in flight finish within `--grace` seconds, then cancels the rest.
+    a 400 unless the pipeline's `serve.ignore` lists them (or is "*"); a `max_tokens` past
+    `limits.max_tokens` is refused, or lowered with `serve.clamp_max_tokens`. A client that
+    goes away cancels its request. Binds 127.0.0.1 unless told otherwise; another address
+    needs an API key. SIGTERM or Ctrl-C drains: new requests get 503 and /health says
+    "draining" while requests in flight finish within `--grace` seconds; the rest is cancelled.
 
     Needs the `serve` extra (FastAPI, uvicorn).
     \f
@@ -63,5 +70,6 @@ def serve(
         check_kv_memory(loaded)  # before any model loads (once loaded, each prompt is checked)
         from kvflow.serve.server import serve as serve_  # heavy (torch, fastapi): only here
 
-        code = serve_(loaded, plugin_registry(), host=host, port=port, grace=grace, api_key=api_key, record=record)
+        code = serve_(loaded, plugin_registry(), host=host, port=port, grace=grace, api_key=api_key, record=record,
+                      metrics_public=metrics_public)
     raise typer.Exit(code)

@@ -307,6 +307,9 @@ class Engine(Protocol):
     # `exact_entropy = False` for one that estimates entropies (the contract suite adapts),
     # `streams = True` for one whose decoding runs on its own (see "Overlap");
     # `settings() -> dict` and, for an evicting engine, `kept_kv(state)` (docs/plugins.md);
+    # `prompt_logprobs(ids, top)`: ids scored with a full cache, each token's log p given the
+    # ones before it and the `top` likeliest at each position (kvflow.backends.hf.scoring;
+    # `kvflow serve`'s echo + logprobs completions need it);
     # `close()`: the holder is done with it (a Session's end; called once per model key that
     # loaded it), so that a backend sharing engines between holders may free them
 

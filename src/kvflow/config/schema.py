@@ -179,10 +179,15 @@ SERVE_IGNORABLE = ("temperature", "top_p", "n", "logprobs", "top_logprobs", "too
 class ServeConfig(Frozen):
     """How `kvflow serve` answers requests (docs/serve.md). None of it changes a trajectory."""
 
-    ignore: list[Literal[SERVE_IGNORABLE]] = Field(  # type: ignore[valid-type]
+    ignore: list[str] = Field(
         default_factory=list,
-        description="Request fields accepted and ignored instead of refused with a 400 (the pipeline decides "
-        "them): e.g. [temperature, top_p] for evaluation harnesses that send `temperature: 0` by default.")
+        description="Request fields accepted and ignored instead of refused with a 400: any field name (the "
+        "sampling fields the pipeline decides, or fields other servers accept such as top_k, "
+        "repetition_penalty, store), or \"*\" for every field kvflow serve does not honour. E.g. "
+        "[temperature, top_p] for evaluation harnesses that send `temperature: 0` by default.")
+    clamp_max_tokens: bool = Field(
+        False, description="A request's max_tokens above limits.max_tokens is lowered to it (the response says so "
+        "in an X-Kvflow-Max-Tokens-Clamped header) instead of refused with a 400.")
     queue: int = Field(64, ge=0, description="Requests that may wait for room beyond the problems in flight "
                        "(run.live_problems); past it a request gets 429 with Retry-After.")
     retry_after: int = Field(1, ge=1, description="Seconds a 429 or 503 response's Retry-After header asks for.")

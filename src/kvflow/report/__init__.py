@@ -9,6 +9,9 @@ Tables (each also a CSV under --out):
 - `accuracy_vs_budget`: method (ablation variant / evictor) × budget, full KV last;
 - `decode_cost`: steps, output length, base and helper tokens per problem;
 - `ablation`: the paper's ablation rows (best-of-N, early exit, interleave, both, full KV);
+- `served` (with a `kvflow serve --record` directory): requests by endpoint and finish
+  reason, prompt and completion tokens, tokens and committed steps by proposer, latency; such
+  a run is "served" in `runs`, with no accuracy (its requests have no gold answer);
 - `step_share`: committed-step share by source, by N and budget (runs with a helper);
 - `rescue` (with a KV-Rescue run): the paper's Table 2 form, per KV-Rescue run against its
   full-KV and evicted best-of-N baselines: accuracy lost to eviction, share recovered, the
@@ -62,7 +65,7 @@ def build_tables(runs: Sequence[Run], oracle: Optional[T.Oracle] = None) -> list
     names = series_names(runs)  # one naming for every table and plot of the report
     tables = [T.runs_table(runs, names), T.accuracy_vs_budget(runs, names), T.decode_cost(runs, names),
               T.ablation(runs, names)]
-    for extra in (T.step_share(runs, names), T.rescue_table(runs, names)):
+    for extra in (T.served_table(runs, names), T.step_share(runs, names), T.rescue_table(runs, names)):
         if extra is not None:
             tables.append(extra)
     if oracle is not None:

@@ -46,6 +46,11 @@ class Run:
         return self.path.name
 
     @property
+    def served(self) -> bool:
+        """A `kvflow serve --record` directory: requests, with no gold answer to grade."""
+        return bool(self.manifest.get("served"))
+
+    @property
     def name(self) -> str:
         return str(self.config.get("name") or self.manifest.get("name") or self.path.name.split("__")[0])
 

@@ -125,8 +125,12 @@ def runs_table(runs: Sequence[Run], names: Optional[SeriesNames] = None) -> Tabl
         m = r.metrics
         n_done = m.get("n_problems", 0)
         ci = wilson(int(m.get("n_correct", round((m.get("accuracy") or 0) * n_done))), n_done) if n_done else None
-        row = [r.label, r.variant, r.evictor, _budget_text(r), r.n, n_done, r.complete, m.get("accuracy"),
-               _interval(ci), m.get("degeneration_rate"), m.get("mean_steps"), m.get("mean_output_tokens")]
+        if r.served:  # requests, not graded problems: no accuracy, no degeneration against a gold answer
+            row = [r.label, r.variant, r.evictor, _budget_text(r), r.n, n_done, "served", None, None, None,
+                   m.get("mean_steps"), m.get("mean_output_tokens")]
+        else:
+            row = [r.label, r.variant, r.evictor, _budget_text(r), r.n, n_done, r.complete, m.get("accuracy"),
+                   _interval(ci), m.get("degeneration_rate"), m.get("mean_steps"), m.get("mean_output_tokens")]
         row += [(m.get("tokens_generated") or {}).get(s) if s in r.proposers else None for s in sources]
         row += [(m.get("step_share") or {}).get(s) if s in r.proposers else None for s in sources]
         row += [(m.get("pruned_fraction") or {}).get(p) for p in pruners]
@@ -136,6 +140,40 @@ def runs_table(runs: Sequence[Run], names: Optional[SeriesNames] = None) -> Tabl
         row.append(names.of(r) or None)
         t.rows.append(row)
     return t
+
+
+def served_table(runs: Sequence[Run], names: Optional[SeriesNames] = None) -> Optional[Table]:
+    """Served traffic (`kvflow serve --record` directories): requests answered, by endpoint and
+    finish reason, prompt and completion tokens, tokens generated and committed steps by
+    proposer, latency (arrival to the trajectory's end) p50 / p95. None without a served run."""
+    served = [r for r in runs if r.served]
+    if not served:
+        return None
+    sources = _sources(served)
+    cols = ["run", "requests", "chat / completion", "finish: stop / length", "prompt tokens", "completion tokens"]
+    cols += [f"tokens: {s}" for s in sources] + [f"steps: {s}" for s in sources] + ["latency p50 s", "latency p95 s"]
+    t = Table("served", "Served requests", cols)
+    for r in served:
+        recs = r.records
+        facts = [x.get("served") or {} for x in recs]
+        walls = sorted(float(x.get("seconds") or 0.0) for x in recs)  # arrival to the trajectory's end
+        steps = {s: sum(1 for x in recs for st in x.get("steps") or [] if st.get("source") == s) for s in sources}
+        tokens = {s: sum((x.get("tokens_generated") or {}).get(s, 0) for x in recs) for s in sources}
+        kinds = [f.get("endpoint") for f in facts]
+        finish = [f.get("finish_reason") for f in facts]
+        row = [r.label, len(recs), f"{kinds.count('chat')} / {kinds.count('completion')}",
+               f"{finish.count('stop')} / {finish.count('length')}", sum(f.get("prompt_tokens") or 0 for f in facts),
+               sum(f.get("completion_tokens") or 0 for f in facts)]
+        row += [tokens[s] for s in sources] + [steps[s] for s in sources]
+        row += [_quantile(walls, 0.5), _quantile(walls, 0.95)]
+        t.rows.append(row)
+    return t
+
+
+def _quantile(values: Sequence[float], q: float) -> Optional[float]:
+    if not values:
+        return None
+    return round(values[min(len(values) - 1, int(q * len(values)))], 3)
 
 
 def accuracy_vs_budget(runs: Sequence[Run], names: Optional[SeriesNames] = None) -> Table:

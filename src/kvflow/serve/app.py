@@ -1,21 +1,33 @@
 """The ASGI app of `kvflow serve` (FastAPI): routes, the API key, body limits and SSE.
 
     POST /v1/chat/completions   messages -> the base model's chat template -> one problem
-    POST /v1/completions        a raw prompt -> one problem
+    POST /v1/completions        a raw prompt -> one problem; with `echo`, a scoring request
     GET  /v1/models             the pipeline's name as the one model id
-    GET  /health                200 {"status": "ok", ...} with engine rows; 503 once an engine died
+    POST /tokenize, /detokenize the base model's tokenizer, as vLLM serves it
+    GET  /tokenizer_info        its special tokens, chat template and context (vLLM's shape)
+    GET  /health                200 {"status": "ok", ...} with engine rows; 503 once an engine
+                                died ("dead") or while the server drains ("draining")
     GET  /metrics               Prometheus text (kvflow.serve.metrics)
 
 Requests are validated by kvflow.serve.protocol and decoded by the engine thread
-(kvflow.serve.loop). Every error is an OpenAI-shaped JSON body with a 4xx/5xx status: a
-request can fail, the server does not. With an API key (required off 127.0.0.1) every route
-but /health needs `Authorization: Bearer KEY`, else 401.
+(kvflow.serve.loop). Every error is an OpenAI-shaped JSON body with a 4xx/5xx status, unknown
+routes (404) and methods (405) included: a request can fail, the server does not. With an API
+key (required off 127.0.0.1) every route but /health (and /metrics with `metrics_public`)
+needs `Authorization: Bearer KEY`, else 401. The guard is plain ASGI middleware (not
+Starlette's BaseHTTPMiddleware, which hides a client's disconnect from the route).
 
 A streamed answer is one SSE event per committed step (`delta.content` the step's text,
 `kvflow` its facts); the last event has `finish_reason` and `usage`, then `data: [DONE]`. A
-client that goes away (a closed connection) cancels its request: the stream's generator is
-closed, or the non-streamed wait notices it, and the engine thread drops the trajectory at its
-next step boundary.
+client that goes away (a closed connection: a crashed harness, an SDK's timeout) cancels its
+request, streamed or not: the stream's generator is closed, or the non-streamed wait sees the
+`http.disconnect` message at once, and the engine thread drops the trajectory at its next step
+boundary (the response is logged as 499, the nginx code for a client that closed).
+
+A scoring request (completions with `echo: true`, `max_tokens` 0 or 1, `logprobs` k: an
+evaluation harness's loglikelihood request) is not a problem: each prompt is scored by the
+base model over a full cache on the engine thread, between decode steps
+(`Engine.prompt_logprobs`), and the answer has OpenAI's completion logprobs (tokens, their
+log-probabilities, the top k alternatives at each, the greedy next token when max_tokens is 1).
 """
 
 from __future__ import annotations
@@ -28,10 +40,12 @@ from typing import Any, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvflow.serve.loop import Job, Loop
 from kvflow.serve.metrics import Metrics
-from kvflow.serve.protocol import ApiError, chunk, models_list, now, parse_chat, parse_completion, response
+from kvflow.serve.protocol import (ApiError, chunk, models_list, now, parse_chat, parse_completion, response,
+                                   scored_choice, scored_response)
 
 
 @dataclass
@@ -49,6 +63,9 @@ class Service:
     retry_after: int
     api_key: Optional[str] = None
     created: int = 0
+    clamp_max_tokens: bool = False
+    metrics_public: bool = False  # /metrics without the API key (--metrics-public)
+    context: Optional[int] = None  # the base model's context in tokens, where known
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -88,33 +105,39 @@ def build_app(service: Service) -> FastAPI:
     async def _unexpected(request: Request, exc: Exception):  # a bug: the request fails, the server goes on
         return JSONResponse(ApiError(500, f"internal error: {type(exc).__name__}: {exc}").body(), status_code=500)
 
-    @app.middleware("http")
-    async def _guard(request: Request, call_next):
-        path = request.url.path
-        if service.api_key and path != "/health":
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {service.api_key}".encode()):
-                service.metrics.request(path, 401)
-                return JSONResponse(ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)").body(),
-                                    status_code=401, headers={"WWW-Authenticate": "Bearer"})
-        try:
-            reply = await call_next(request)
-        except Exception as exc:  # noqa: BLE001 - never a dropped connection for a request's fault
-            reply = JSONResponse(ApiError(500, f"internal error: {type(exc).__name__}: {exc}").body(), status_code=500)
-        service.metrics.request(path if path in _ROUTES else "other", reply.status_code)
-        return reply
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):  # unknown route (404), method (405)
+        message = (f"no route {request.method} {request.url.path}" if exc.status_code == 404 else
+                   f"{request.method} is not allowed on {request.url.path}" if exc.status_code == 405 else
+                   str(exc.detail))
+        return JSONResponse(ApiError(exc.status_code, message, code="not_found" if exc.status_code == 404 else None
+                                     ).body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    app.add_middleware(_Guard, service=service)
 
     @app.get("/health")
     async def health():
         g = service.loop.gauges()
-        body = {"status": "dead" if g["dead"] else ("draining" if service.loop.stopping else "ok"),
-                "model": service.name, "in_flight": g["in_flight"], "queued": g["queued"], "rows": g["rows"],
-                "faults": service.loop.faults, **({"error": g["dead"]} if g["dead"] else {})}
-        return JSONResponse(body, status_code=503 if g["dead"] else 200)
+        status = "dead" if g["dead"] else ("draining" if service.loop.stopping else "ok")
+        body = {"status": status, "model": service.name, "in_flight": g["in_flight"], "queued": g["queued"],
+                "rows": g["rows"], "faults": service.loop.faults, **({"error": g["dead"]} if g["dead"] else {})}
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics")
     async def metrics():
         return PlainTextResponse(service.metrics.text(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return _tokenizer_info(service)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return _tokenize(service, await _read_json(request, service.max_body_bytes))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return _detokenize(service, await _read_json(request, service.max_body_bytes))
 
     @app.get("/v1/models")
     async def models():
@@ -131,7 +154,47 @@ def build_app(service: Service) -> FastAPI:
     return app
 
 
-_ROUTES = {"/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions"}
+_ROUTES = {"/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions", "/tokenize",
+           "/detokenize", "/tokenizer_info"}
+
+
+class _Guard:
+    """Plain ASGI middleware: the API key (401), a request's own fault answered as a 500 (never a
+    dropped connection), and every answer counted in /metrics by route and status."""
+
+    def __init__(self, app, service: Service) -> None:
+        self.app, self.service = app, service
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        service = self.service
+        path = scope["path"]
+        public = path == "/health" or (path == "/metrics" and service.metrics_public)
+        if service.api_key and not public:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, f"Bearer {service.api_key}".encode()):
+                service.metrics.request(path if path in _ROUTES else "other", 401)
+                reply = JSONResponse(ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)").body(),
+                                     status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                return await reply(scope, receive, send)
+        status: dict = {}
+
+        async def send_(message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_)
+        except Exception as exc:  # noqa: BLE001 - never a dropped connection for a request's fault
+            if "code" in status:  # the answer had begun: nothing more can be said on this connection
+                raise
+            status["code"] = 500
+            reply = JSONResponse(ApiError(500, f"internal error: {type(exc).__name__}: {exc}").body(), status_code=500)
+            await reply(scope, receive, send)
+        finally:
+            service.metrics.request(path if path in _ROUTES else "other", status.get("code", 499))
 
 
 async def _read_json(request: Request, limit: int) -> Any:
@@ -151,7 +214,12 @@ async def _read_json(request: Request, limit: int) -> Any:
 
 async def _complete(service: Service, request: Request, parse) -> Any:
     body = await _read_json(request, service.max_body_bytes)
-    req = parse(body, ignore=service.ignore, served_model=service.name, max_tokens_limit=service.max_tokens)
+    req = parse(body, ignore=service.ignore, served_model=service.name, max_tokens_limit=service.max_tokens,
+                clamp=service.clamp_max_tokens)
+    if req.echo:
+        return await _score(service, req)
+    if req.prompt_ids is not None:
+        req.prompt = _decode_ids(service, req.prompt_ids)
     prompt, question = service.render(req)
     n = len(service.encode(prompt))
     if n > service.max_prompt_tokens:
@@ -161,35 +229,141 @@ async def _complete(service: Service, request: Request, parse) -> Any:
     job = Job(req, prompt, n, asyncio.get_running_loop(), question)
     service.loop.submit(job)
     created = now()
+    headers = {"X-Request-Id": job.rid}
+    if req.clamped_from is not None:
+        headers["X-Kvflow-Max-Tokens-Clamped"] = f"requested {req.clamped_from}, used {req.max_tokens}"
     if req.stream:
         return StreamingResponse(_stream(service, job, created), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Request-Id": job.rid})
-    return await _whole(service, job, request, created)
+                                 headers={"Cache-Control": "no-cache", **headers})
+    return await _whole(service, job, request, created, headers)
 
 
-async def _whole(service: Service, job: Job, request: Request, created: int):
+async def _until_disconnect(request: Request) -> None:
+    """Returns once the client has gone (its body was read: the next message is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _whole(service: Service, job: Job, request: Request, created: int, headers: dict):
     text = []
+    gone = asyncio.ensure_future(_until_disconnect(request))
     try:
         while True:
-            try:
-                event = await asyncio.wait_for(job.events.get(), timeout=0.5)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    service.loop.cancel(job)
-                    return JSONResponse({"error": {"message": "client closed the connection"}}, status_code=499)
-                continue
+            event = asyncio.ensure_future(job.events.get())
+            await asyncio.wait({event, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not event.done():
+                event.cancel()
+                service.loop.cancel(job)
+                return JSONResponse({"error": {"message": "client closed the connection"}}, status_code=499)
+            event = event.result()
             if event[0] == "step":
                 text.append(event[1])
             elif event[0] == "end":
                 facts = {"request_id": job.rid, "steps": job.steps, "finish": job.traj.finish if job.traj else None}
                 return JSONResponse(response(job.req, job.rid, created, "".join(text), event[1], event[2], facts),
-                                    headers={"X-Request-Id": job.rid})
+                                    headers=headers)
             else:
                 _, status, message, code = event
                 raise ApiError(status, message, code=code)
     except asyncio.CancelledError:
         service.loop.cancel(job)
         raise
+    finally:
+        gone.cancel()
+
+
+async def _score(service: Service, req) -> Any:
+    """A scoring request: each prompt scored by the base model with a full cache, on the engine
+    thread (see the module docstring)."""
+    base = service.loop.base
+    if not callable(getattr(base, "prompt_logprobs", None)):
+        raise ApiError(400, f"the base model's engine ({base.backend}) cannot score prompts: scoring requests "
+                            f"(`echo`) need an hf base model", param="echo", code="unsupported_field")
+    prompts = [service.encode(p) if isinstance(p, str) else list(p) for p in req.prompts]
+    vocab = len(service.tokenizer)
+    for ids in prompts:
+        if not ids:
+            raise ApiError(400, "a prompt with no tokens cannot be scored", param="prompt")
+        if max(ids) >= vocab:
+            raise ApiError(400, f"token id {max(ids)} is not in the base model's vocabulary ({vocab})", param="prompt")
+        if service.context and len(ids) + req.max_tokens > service.context:
+            raise ApiError(400, f"the prompt is {len(ids)} tokens; the base model's context is {service.context}",
+                           param="prompt", code="context_length_exceeded")
+    k = max(1, req.logprobs)
+    scored = []
+    for ids in prompts:
+        scored.append(await service.loop.call(lambda ids=ids: base.prompt_logprobs(ids, k)))
+    piece = lambda i: service.tokenizer.decode([i])  # noqa: E731
+    choices = []
+    for index, (ids, got) in enumerate(zip(prompts, scored)):
+        top = [None if alts is None else [(piece(t), v) for t, v in alts] for alts in got.top]
+        completion = None
+        if req.max_tokens == 1:
+            token, lp = got.next[0]
+            completion = (piece(token), lp, [(piece(t), v) for t, v in got.next])
+        choices.append(scored_choice(index, [piece(i) for i in ids], got.logprobs, top, completion, req.logprobs,
+                                     "length"))
+    return JSONResponse(scored_response(req, f"cmpl-score-{now()}", now(), choices, sum(map(len, prompts))))
+
+
+def _decode_ids(service: Service, ids: list[int]) -> str:
+    if max(ids) >= len(service.tokenizer):
+        raise ApiError(400, f"token id {max(ids)} is not in the base model's vocabulary ({len(service.tokenizer)})",
+                       param="prompt")
+    return service.tokenizer.decode(ids)
+
+
+def _check_model(service: Service, body: dict) -> None:
+    model = body.get("model")
+    if model is not None and model != service.name:
+        raise ApiError(404, f"the model `{model}` does not exist: this server serves `{service.name}`",
+                       param="model", code="model_not_found")
+
+
+def _tokenize(service: Service, body: Any) -> dict:
+    """vLLM's /tokenize: {prompt, add_special_tokens (true)} or {messages, add_generation_prompt
+    (true)}, `model` optional -> {count, max_model_len, tokens, token_strs}."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    _check_model(service, body)
+    if "messages" in body:
+        req = parse_chat({"model": service.name, "messages": body["messages"]}, ignore=frozenset(),
+                         served_model=service.name, max_tokens_limit=service.max_tokens)
+        prompt = service.render(req)[0]
+        special = bool(body.get("add_special_tokens", False))
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise ApiError(400, "`prompt` (a string) or `messages` is required", param="prompt")
+        special = bool(body.get("add_special_tokens", True))
+    tokens = service.tokenizer.encode(prompt, add_special_tokens=special)
+    strs = service.tokenizer.convert_ids_to_tokens(tokens) if body.get("return_token_strs") else None
+    return {"count": len(tokens), "max_model_len": service.context, "tokens": tokens, "token_strs": strs}
+
+
+def _detokenize(service: Service, body: Any) -> dict:
+    """vLLM's /detokenize: {tokens} -> {prompt}."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    _check_model(service, body)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                               for t in tokens):
+        raise ApiError(400, "`tokens` must be a list of token ids", param="tokens")
+    return {"prompt": _decode_ids(service, tokens) if tokens else ""}
+
+
+def _tokenizer_info(service: Service) -> dict:
+    """vLLM's /tokenizer_info: the tokenizer's class, special tokens, chat template and context."""
+    tok = service.tokenizer
+    info = {"tokenizer_class": type(tok).__name__, "model_max_length": service.context}
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        value = getattr(tok, name, None)
+        info[name] = value if isinstance(value, str) or value is None else str(value)
+    info["chat_template"] = getattr(tok, "chat_template", None)
+    return info
 
 
 async def _stream(service: Service, job: Job, created: int):

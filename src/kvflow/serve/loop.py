@@ -31,6 +31,7 @@ be blamed for) marks the server dead: every request in flight and queued ends wi
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 import time
 import traceback
@@ -83,6 +84,8 @@ class Loop:
         self.cv = threading.Condition()
         self.queue: deque[Job] = deque()
         self.jobs: dict[str, Job] = {}  # admitted, by request id (= problem id)
+        self.calls: deque = deque()  # (fn, future): work for the engine thread between steps (`call`)
+        self.queue_size = queue
         self.stopping = False
         self.deadline: Optional[float] = None
         self.dead: Optional[str] = None
@@ -106,13 +109,27 @@ class Loop:
                 raise ApiError(503, f"the server is stopping: {self.dead}", code="engine_dead")
             if self.stopping:
                 raise ApiError(503, "the server is shutting down", code="shutting_down")
-            if len(self.queue) + len(self.jobs) >= self.capacity:
-                raise ApiError(429, f"{len(self.jobs)} requests in flight and {len(self.queue)} waiting: the queue "
-                                    f"is full; retry later", code="queue_full")
+            accepted = len(self.queue) + len(self.jobs)
+            if accepted >= self.capacity:
+                raise ApiError(429, f"the server is full: {accepted} requests accepted, as many as it takes "
+                                    f"({self.max_live} decoding at once, run.live_problems, and {self.queue_size} "
+                                    f"waiting, serve.queue); retry later", code="queue_full")
             if job.req.seed is not None:  # seeded as `kvflow run` seeds the problem `<dataset.name>/<seed>`
                 job.seed_key = f"{self.session.loaded.pipeline.dataset.name}/{job.req.seed}"
             self.queue.append(job)
             self.cv.notify_all()
+
+    def call(self, fn: Callable[[], object]) -> asyncio.Future:
+        """`fn()` run on the engine thread between two decode steps (or at once when idle), as an
+        awaitable: a scoring request's forward uses the engines the scheduler uses."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self.cv:
+            if self.dead or self.stopping:
+                raise ApiError(503, f"the server is stopping{': ' + self.dead if self.dead else ''}",
+                               code="engine_dead" if self.dead else "shutting_down")
+            self.calls.append((fn, future))
+            self.cv.notify_all()
+        return asyncio.wrap_future(future)
 
     def cancel(self, job: Job) -> None:
         """The client went away: its trajectory ends at its next step boundary (or is never admitted)."""
@@ -156,6 +173,7 @@ class Loop:
             try:
                 self.session.decode(self._source(), self._on_done, on_tick=self._on_tick,
                                     cancelled=self._cancelled, seed_key=self._seed_key)
+                self._run_calls(refuse="the server shut down")
                 return  # the source ended: a drained shutdown
             except BaseException as exc:  # noqa: BLE001 - every fault is answered, see the module docstring
                 who, engine = self._blame(exc)
@@ -178,12 +196,13 @@ class Loop:
                     self._check_deadline()
                     if self.stopping and not self.jobs:
                         return
-                    if self.jobs:
+                    if self.jobs or self.calls:
                         break
                     self.cv.wait(0.25)
                 job = self.queue.popleft() if self.queue else None
                 if job is not None:
                     self.jobs[job.rid] = job
+            self._run_calls()
             if job is None:
                 yield None
                 continue
@@ -204,6 +223,24 @@ class Loop:
             jobs = list(self.jobs.values())
         for job in jobs:
             self._emit(job)
+        self._run_calls()
+
+    def _run_calls(self, refuse: Optional[str] = None) -> None:
+        """Run (or, with `refuse`, fail) the work `call` queued for this thread."""
+        while True:
+            with self.cv:
+                if not self.calls:
+                    return
+                fn, future = self.calls.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            if refuse is not None:
+                future.set_exception(ApiError(503, refuse, code="shutting_down"))
+                continue
+            try:
+                future.set_result(fn())
+            except Exception as exc:  # noqa: BLE001 - the caller's request fails, serving goes on
+                future.set_exception(exc)
 
     def _on_done(self, traj) -> None:
         with self.cv:
@@ -296,6 +333,7 @@ class Loop:
             return False
 
     def _die(self, message: str, exc: BaseException) -> None:
+        self._run_calls(refuse=f"the server is stopping: {message}")
         with self.cv:
             self.dead = message
             for job in list(self.queue) + list(self.jobs.values()):

@@ -6,17 +6,23 @@ may ask for:
 
 - honoured: `model` (must be the pipeline's name, else 404), `messages` (chat; rendered with
   the base model's chat template) or `prompt` (completions; one string, used as is),
-  `max_tokens` / `max_completion_tokens` (at most the pipeline's `limits.max_tokens`; the
-  answer ends at the first step boundary at or past it, its last step cut to the limit),
+  `max_tokens` / `max_completion_tokens` (at most the pipeline's `limits.max_tokens`, or
+  lowered to it with `serve.clamp_max_tokens`; the answer ends at the first step boundary at
+  or past it, its last step cut to the limit),
   `seed` (the identity the request's rows are seeded by: a request with `seed: i` decodes as
   the `kvflow run` problem whose id is `<dataset.name>/<i>` of the same pipeline, the i-th
   line of a `dataset.path` file without an id field), `stop` (up to 4 strings; the answer
   is cut before the first one and ends there), `stream`, `stream_options.include_usage`,
   `user`;
+- a scoring request (completions with `echo: true`, `max_tokens` 0 or 1, `logprobs` k >= 0:
+  what an evaluation harness sends for loglikelihood tasks): the prompt, or a batch of them
+  (strings or token ids), scored by the base model with a full cache, not decoded by the
+  pipeline (`Request.echo`; see kvflow.serve.app);
 - decided by the pipeline (`SERVE_IGNORABLE`: `temperature`, `top_p`, `n` > 1, `logprobs`,
   tools, `response_format`, penalties, `logit_bias`): refused with a 400 naming the field,
   unless the pipeline's `serve.ignore` lists it (then accepted and ignored);
-- anything else: 400 (an unknown field is refused rather than silently dropped).
+- anything else: 400 (an unknown field is refused rather than silently dropped), unless
+  `serve.ignore` lists it or is `"*"` (every field not honoured is then ignored).
 
 The response helpers build `chat.completion` / `text_completion` objects and their stream
 chunks; every chunk of a committed step carries kvflow's own facts in an extension field
@@ -35,6 +41,8 @@ from typing import Any, Optional
 from kvflow.config.schema import SERVE_IGNORABLE
 
 MAX_STOP = 4
+MAX_LOGPROBS = 20  # top alternatives a scoring request may ask for (vLLM's default bound)
+MAX_SCORED_PROMPTS = 64  # prompts in one scoring request
 ROLES = ("system", "developer", "user", "assistant")
 
 
@@ -49,7 +57,8 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                413: "invalid_request_error", 429: "rate_limit_error"}.get(self.status, "server_error")
+                405: "invalid_request_error", 413: "invalid_request_error",
+                429: "rate_limit_error"}.get(self.status, "server_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
@@ -66,6 +75,11 @@ class Request:
     stop: list[str] = field(default_factory=list)
     messages: Optional[list[dict]] = None  # chat
     prompt: Optional[str] = None  # completion
+    prompt_ids: Optional[list[int]] = None  # completion given as token ids (the base tokenizer's)
+    clamped_from: Optional[int] = None  # the max_tokens asked for, when serve.clamp_max_tokens lowered it
+    echo: bool = False  # a scoring request (see the module docstring)
+    logprobs: int = 0  # top alternatives per token of a scoring request
+    prompts: list = field(default_factory=list)  # a scoring request's prompts: str or list[int] each
 
 
 # fields each endpoint honours (besides the ignorable ones)
@@ -75,10 +89,16 @@ _COMPLETION = {"model", "prompt", "max_tokens", "seed", "stop", "stream", "strea
                "best_of", "suffix"}
 
 
-def _refuse_fixed(body: dict, ignore: frozenset) -> None:
+def _ignored(name: str, ignore: frozenset) -> bool:
+    return name in ignore or "*" in ignore
+
+
+def _refuse_fixed(body: dict, ignore: frozenset, scoring: bool) -> None:
     for name in SERVE_IGNORABLE:
-        if name not in body or name in ignore:
+        if name not in body or _ignored(name, ignore):
             continue
+        if scoring and (name == "logprobs" or (name == "temperature" and body[name] in (0, 0.0))):
+            continue  # a scoring request is greedy, and its logprobs are what it asks for
         value = body[name]
         if value is None or (name == "n" and value == 1) or (name in ("logprobs",) and value is False):
             continue  # the OpenAI default spelled out asks for nothing
@@ -87,14 +107,17 @@ def _refuse_fixed(body: dict, ignore: frozenset) -> None:
                             f"`serve.ignore` to have it accepted and ignored", param=name, code="unsupported_field")
 
 
-def _common(body: Any, allowed: set, ignore: frozenset, served_model: str, max_tokens_limit: int, kind: str) -> Request:
+def _common(body: Any, allowed: set, ignore: frozenset, served_model: str, max_tokens_limit: int, kind: str,
+            clamp: bool = False) -> Request:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    unknown = sorted(k for k in body if k not in allowed and k not in SERVE_IGNORABLE)
+    unknown = sorted(k for k in body if k not in allowed and k not in SERVE_IGNORABLE and not _ignored(k, ignore))
     if unknown:
-        raise ApiError(400, f"unknown field `{unknown[0]}` (kvflow serve refuses what it would not honour)",
+        raise ApiError(400, f"unknown field `{unknown[0]}` (kvflow serve refuses what it would not honour; the "
+                            f"pipeline's `serve.ignore` may list it to have it accepted and ignored)",
                        param=unknown[0], code="unknown_field")
-    _refuse_fixed(body, ignore)
+    scoring = kind == "completion" and body.get("echo") is True
+    _refuse_fixed(body, ignore, scoring)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise ApiError(400, "`model` is required: the pipeline's name (GET /v1/models)", param="model")
@@ -117,12 +140,18 @@ def _common(body: Any, allowed: set, ignore: frozenset, served_model: str, max_t
     if kind == "chat" and body.get("max_completion_tokens") is not None:
         limit_name, value = "max_completion_tokens", body["max_completion_tokens"]
     if value is None:
-        value = max_tokens_limit
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        value = 0 if scoring else max_tokens_limit
+    if isinstance(value, bool) or not isinstance(value, int) or value < (0 if scoring else 1):
         raise ApiError(400, f"`{limit_name}` must be a positive integer", param=limit_name)
+    if scoring and value > 1:
+        raise ApiError(400, f"`echo` asks for a scoring request (the prompt's token logprobs): `{limit_name}` must "
+                            f"be 0 or 1 with it", param=limit_name, code="unsupported_field")
+    clamped_from = None
     if value > max_tokens_limit:
-        raise ApiError(400, f"`{limit_name}` = {value} is past this pipeline's limit, limits.max_tokens = "
-                            f"{max_tokens_limit}", param=limit_name)
+        if not clamp:
+            raise ApiError(400, f"`{limit_name}` = {value} is past this pipeline's limit, limits.max_tokens = "
+                                f"{max_tokens_limit} (serve.clamp_max_tokens lowers it instead)", param=limit_name)
+        clamped_from, value = value, max_tokens_limit
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ApiError(400, "`seed` must be an integer", param="seed")
@@ -134,12 +163,13 @@ def _common(body: Any, allowed: set, ignore: frozenset, served_model: str, max_t
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP:
         raise ApiError(400, f"`stop` must be a non-empty string or a list of at most {MAX_STOP} of them", param="stop")
     return Request(kind=kind, model=model, max_tokens=value, stream=stream, include_usage=include_usage, seed=seed,
-                   stop=list(stop))
+                   stop=list(stop), clamped_from=clamped_from)
 
 
-def parse_chat(body: Any, *, ignore: frozenset, served_model: str, max_tokens_limit: int) -> Request:
+def parse_chat(body: Any, *, ignore: frozenset, served_model: str, max_tokens_limit: int,
+               clamp: bool = False) -> Request:
     """A `POST /v1/chat/completions` body, validated (see the module docstring)."""
-    req = _common(body, _CHAT, ignore, served_model, max_tokens_limit, "chat")
+    req = _common(body, _CHAT, ignore, served_model, max_tokens_limit, "chat", clamp)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "`messages` must be a non-empty list of {role, content}", param="messages")
@@ -165,20 +195,52 @@ def parse_chat(body: Any, *, ignore: frozenset, served_model: str, max_tokens_li
     return req
 
 
-def parse_completion(body: Any, *, ignore: frozenset, served_model: str, max_tokens_limit: int) -> Request:
+def parse_completion(body: Any, *, ignore: frozenset, served_model: str, max_tokens_limit: int,
+                     clamp: bool = False) -> Request:
     """A `POST /v1/completions` body, validated (see the module docstring)."""
-    req = _common(body, _COMPLETION, ignore, served_model, max_tokens_limit, "completion")
-    for name, default in (("echo", False), ("best_of", 1), ("suffix", None)):
-        if body.get(name) not in (None, default):
+    req = _common(body, _COMPLETION, ignore, served_model, max_tokens_limit, "completion", clamp)
+    for name, default in (("best_of", 1), ("suffix", None)):
+        if body.get(name) not in (None, default) and not _ignored(name, ignore):
             raise ApiError(400, f"`{name}` is not supported by kvflow serve", param=name, code="unsupported_field")
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str) or not prompt:
-        raise ApiError(400, "`prompt` must be one non-empty string (token-id prompts and batches are not "
-                            "supported: send one request per prompt)", param="prompt")
-    req.prompt = prompt
+    echo = body.get("echo")
+    if echo not in (None, False, True):
+        raise ApiError(400, "`echo` must be true or false", param="echo")
+    prompts = _prompts(body.get("prompt"))
+    if echo:
+        k = body.get("logprobs")
+        k = 0 if k is None else k
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS:
+            raise ApiError(400, f"`logprobs` must be an integer from 0 to {MAX_LOGPROBS}", param="logprobs")
+        if req.stream:
+            raise ApiError(400, "a scoring request (`echo`) is not streamed", param="stream")
+        if len(prompts) > MAX_SCORED_PROMPTS:
+            raise ApiError(400, f"at most {MAX_SCORED_PROMPTS} prompts per scoring request", param="prompt")
+        req.echo, req.logprobs, req.prompts = True, k, prompts
+        return req
+    if len(prompts) != 1:
+        raise ApiError(400, "`prompt` must be one prompt (batches of prompts are served for scoring requests, "
+                            "`echo: true`, only): send one request per prompt", param="prompt")
+    if isinstance(prompts[0], str):
+        req.prompt = prompts[0]
+    else:
+        req.prompt_ids = prompts[0]
     return req
+
+
+def _prompts(prompt: Any) -> list:
+    """`prompt` as a list of prompts, each a non-empty string or a non-empty list of token ids."""
+    def one(p: Any) -> bool:
+        if isinstance(p, str):
+            return bool(p)
+        return isinstance(p, list) and bool(p) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                       for t in p)
+
+    if one(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(one(p) for p in prompt):
+        return list(prompt)
+    raise ApiError(400, "`prompt` must be a non-empty string or list of token ids (or, for a scoring request, a "
+                        "list of them)", param="prompt")
 
 
 # --------------------------------------------------------------------------- responses
@@ -233,6 +295,35 @@ def response(req: Request, rid: str, created: int, text: str, finish_reason: str
         kind = "text_completion"
     return {"id": rid, "object": kind, "created": created, "model": req.model, "choices": [choice],
             "usage": usage_, "kvflow": facts}
+
+
+def scored_choice(index: int, pieces: list[str], logprobs: list, top: list, completion: Optional[tuple], k: int,
+                  finish_reason: str) -> dict:
+    """One choice of a scoring request: the prompt's tokens (`pieces`, their text) with their
+    log-probabilities (`logprobs[0]` None) and top-k alternatives ({text: logprob}), then the
+    completion's token (text, logprob, alternatives) when max_tokens is 1. `text` echoes the
+    prompt, plus that token."""
+    tokens, token_logprobs = list(pieces), list(logprobs)
+    top_logprobs = [None if alts is None else {t: v for t, v in alts[:k]} for alts in top]
+    if completion is not None:
+        text, lp, alts = completion
+        tokens.append(text)
+        token_logprobs.append(lp)
+        top_logprobs.append({t: v for t, v in alts[:k]})
+    offsets, at = [], 0
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {"index": index, "text": "".join(tokens), "finish_reason": finish_reason,
+            "logprobs": {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+                         "text_offset": offsets}}
+
+
+def scored_response(req: Request, rid: str, created: int, choices: list[dict], prompt_tokens: int) -> dict:
+    completion_tokens = req.max_tokens * len(choices)
+    return {"id": rid, "object": "text_completion", "created": created, "model": req.model, "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}}
 
 
 def models_list(name: str, created: int) -> dict:

@@ -4,9 +4,11 @@
 against the API key, the serve extra installed, the models obtainable, the record
 directory), enters one `kvflow.runtime.session.Session` for the life of the process, starts
 the engine thread (kvflow.serve.loop) and runs uvicorn on the app (kvflow.serve.app) in this
-thread. SIGTERM or SIGINT: stop accepting, let what was accepted finish within `grace`
-seconds, cancel the rest, stop the engine thread, leave the Session (engines and their worker
-processes stopped), return 0. An engine that dies stops the server too; then it returns 1.
+thread. SIGTERM or SIGINT: drain (new requests get 503 and /health says "draining", the
+socket stays open), let what was accepted finish within `grace` seconds, cancel the rest,
+then stop uvicorn and the engine thread, leave the Session (engines and their worker
+processes stopped), return 0. A second SIGINT cuts the drain short. An engine that dies
+stops the server too; then it returns 1.
 
 With `record`, every answered request is appended to `<record>/samples.jsonl` as a results
 record (kvflow.runtime.core.record: the trajectory, its timing, plus `request_id` and
@@ -66,7 +68,8 @@ def context_length(engine) -> Optional[int]:
 
 
 def serve(loaded: LoadedPipeline, registry, *, host: str = "127.0.0.1", port: int = 8000, grace: float = 30.0,
-          api_key: Optional[str] = None, record: Optional[Path] = None, quiet: bool = False) -> int:
+          api_key: Optional[str] = None, record: Optional[Path] = None, quiet: bool = False,
+          metrics_public: bool = False) -> int:
     """Serve `loaded` until SIGTERM/SIGINT (0) or an engine dies (1). See the module docstring."""
     from kvflow.runtime import compile as compile_
     from kvflow.runtime.core import say
@@ -111,7 +114,9 @@ def serve(loaded: LoadedPipeline, registry, *, host: str = "127.0.0.1", port: in
         service = Service(name=pipe.name, loop=loop, metrics=metrics, tokenizer=copy.deepcopy(base.tokenizer),
                           max_tokens=pipe.limits.max_tokens, max_prompt_tokens=max_prompt,
                           max_body_bytes=pipe.serve.max_body_bytes, ignore=frozenset(pipe.serve.ignore),
-                          retry_after=pipe.serve.retry_after, api_key=api_key, created=now())
+                          retry_after=pipe.serve.retry_after, api_key=api_key, created=now(),
+                          clamp_max_tokens=pipe.serve.clamp_max_tokens, metrics_public=metrics_public,
+                          context=context)
         app = build_app(service)
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                                 timeout_graceful_shutdown=max(1, int(grace) + 5), lifespan="off")
@@ -162,20 +167,31 @@ def _write_metrics(loaded: LoadedPipeline, store, session) -> None:
 
 
 def _make_server(config, loop, grace: float):
-    """uvicorn's server, whose SIGTERM/SIGINT also starts the engine thread's drain (a second
-    SIGINT cuts the grace period short) and is not raised again once the server has stopped (as
-    uvicorn would: the Session must still be left, its engines stopped)."""
+    """uvicorn's server, whose SIGTERM/SIGINT drains instead of closing the socket at once: the
+    engine thread's drain starts (new requests get 503, /health says "draining"), and uvicorn is
+    told to exit once the engine thread has answered or cancelled everything it accepted (within
+    `grace`); a second SIGINT cuts that short. The signal is not raised again once the server
+    has stopped (as uvicorn would): the Session must still be left, its engines stopped."""
     import signal
+    import threading
 
     import uvicorn
 
     class _Server(uvicorn.Server):
+        draining = False
+
         def handle_exit(self, sig, frame) -> None:
-            if self.should_exit and sig == signal.SIGINT:
-                loop.drain(0)
-                self.force_exit = True
-            else:
-                loop.drain(grace)
-                self.should_exit = True
+            if self.draining:
+                if sig == signal.SIGINT:
+                    loop.drain(0)
+                    self.should_exit = self.force_exit = True
+                return
+            self.draining = True
+            loop.drain(grace)
+            threading.Thread(target=self._exit_once_drained, name="kvflow-serve-drain", daemon=True).start()
+
+        def _exit_once_drained(self) -> None:
+            loop.join()
+            self.should_exit = True
 
     return _Server(config)

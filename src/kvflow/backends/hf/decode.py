@@ -213,6 +213,13 @@ class HFEngine:
 
         return ScoringSession(self.runner, _FullContext(EvictorParams()))
 
+    def prompt_logprobs(self, ids: Sequence[int], top: int):
+        """`ids` scored with a full cache: kvflow.backends.hf.scoring.prompt_logprobs (optional
+        Engine method; `kvflow serve` answers echo + logprobs completions with it)."""
+        from kvflow.backends.hf.scoring import prompt_logprobs
+
+        return prompt_logprobs(self.runner, _FullContext(EvictorParams()), ids, top)
+
     # ------------------------------------------------------------------ proposals
 
     def submit(self, requests: Sequence[ProposeRequest]) -> None:

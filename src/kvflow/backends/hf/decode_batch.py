@@ -26,6 +26,25 @@ from kvflow.backends.hf.cache import BudgetedCache
 from kvflow.backends.hf.rows import new_rows
 
 
+def _trim_heap() -> None:
+    """Hand the C heap's free memory back to the system (glibc's malloc_trim; elsewhere nothing):
+    a pool's storage, freed when it goes idle, would otherwise stay in the process's resident
+    memory, fragmented, and a server's RSS would creep up with every burst it serves."""
+    global _MALLOC_TRIM
+    if _MALLOC_TRIM is None:
+        try:
+            import ctypes
+
+            _MALLOC_TRIM = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _MALLOC_TRIM = False
+    if _MALLOC_TRIM:
+        _MALLOC_TRIM(0)
+
+
+_MALLOC_TRIM = None
+
+
 class RowPool:
     """The rows of every running proposal of one engine with one evictor, in one cache.
 
@@ -35,15 +54,24 @@ class RowPool:
     has ended stay as they are until its handle (`PoolRows`) is dropped: they sit in the
     attention call (their output is not used) but are not written. When at most half of the
     rows are in use, `shrink()` moves them to the front and drops the rest (handles are
-    renumbered), so freed rows do not stay in every attention call.
+    renumbered), so freed rows do not stay in every attention call. When none is in use (the
+    engine is idle on this pool), `shrink()` drops them all, slots too: the pool is then what a
+    new engine's is, so what the engine decodes next does not depend on what it decoded before
+    (the number of rows in a forward changes its float rounding; a server must answer the same
+    request alike whatever it served earlier), and its memory goes back.
     """
 
     def __init__(self, evictor, num_layers: int, device, kv_heads: int) -> None:
-        self.cache = BudgetedCache(evictor, num_layers, new_rows(0), device, kv_heads=kv_heads)
+        self._shape = (evictor, num_layers, device, kv_heads)
+        self.cache = self._new_cache()
         self.free: list[int] = []  # a heap of free row ids
         self.returned: deque = deque()  # rows whose handle was dropped (from any thread)
         self.holders: "weakref.WeakSet[PoolRows]" = weakref.WeakSet()
         self.lock = threading.Lock()  # a handle dropped on another thread vs renumbering
+
+    def _new_cache(self) -> BudgetedCache:
+        evictor, num_layers, device, kv_heads = self._shape
+        return BudgetedCache(evictor, num_layers, new_rows(0), device, kv_heads=kv_heads)
 
     def give_back(self, box: list) -> None:
         """A handle was dropped: its rows (box[0], current numbering) are free at the next reclaim."""
@@ -52,11 +80,16 @@ class RowPool:
 
     def shrink(self, min_rows: int = 16) -> bool:
         """If at most half of the pool's rows (and at least `min_rows`) are in use, keep only
-        those, moved to the front in order (one copy of them), and renumber their handles.
-        Returns whether it did."""
+        those, moved to the front in order (one copy of them), and renumber their handles; if
+        none is, drop them all. Returns whether it did."""
         with self.lock:
             self.reclaim()
             n = self.cache.n_rows
+            if n and len(self.free) == n:  # idle: back to a new pool (see the class docstring)
+                self.cache = self._new_cache()
+                self.free = []
+                _trim_heap()
+                return True
             if n < min_rows or 2 * (n - len(self.free)) > n:
                 return False
             free = set(self.free)

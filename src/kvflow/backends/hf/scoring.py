@@ -20,6 +20,10 @@
   the reuse is tested against.
 - `label_head()`: the LM head restricted to a few label tokens, without the full-vocabulary
   logits.
+- `prompt_logprobs()`: every token of one token sequence scored by the model with a full
+  cache (log p of each token given the ones before it, the `top` likeliest tokens at each
+  position, and the likeliest next token): what `kvflow serve` answers an `echo` +
+  `logprobs` completion with (an evaluation harness's loglikelihood request).
 """
 
 from __future__ import annotations
@@ -102,6 +106,46 @@ class ScoringSession:
     def release(self, problem_ids: Sequence[str]) -> None:
         for pid in problem_ids:
             self._states.pop(pid, None)
+
+
+@dataclass
+class PromptLogprobs:
+    """`prompt_logprobs`' answer for ids[0..n-1]: `logprobs[i]` = log p(ids[i] | ids[:i]) (None
+    for i = 0), `top[i]` = the `top` likeliest (id, log p) at position i (None for i = 0), and
+    `next` = the `top` likeliest (id, log p) after the last token, greedy first."""
+
+    logprobs: list
+    top: list
+    next: list
+
+
+@torch.inference_mode()
+def prompt_logprobs(runner: HFRunner, full_kv: Evictor, ids: Sequence[int], top: int) -> PromptLogprobs:
+    """Score `ids` with the model over a full cache (one forward; see the module docstring)."""
+    if not ids:
+        raise ValueError("nothing to score: an empty token sequence")
+    cache = runner.new_cache(full_kv, 1)
+    hidden = runner.forward(cache, [list(ids)], logits="hidden")[0]  # [n, hidden]
+    k = max(1, top)
+    logprobs: list = [None]
+    tops: list = [None]
+    after: list = []
+    target = torch.as_tensor(list(ids[1:]) + [0], device=hidden.device)
+    for start in range(0, len(ids), _POSITIONS_PER_CHUNK):
+        h = hidden[start : start + _POSITIONS_PER_CHUNK]
+        with runner.upcast(h.shape[0]):
+            logits = runner.lm_head(h)
+        logp = torch.log_softmax(logits.float(), dim=-1)  # position j predicts ids[j + 1]
+        chosen = logp.gather(-1, target[start : start + len(h), None]).squeeze(-1).tolist()
+        values, indices = logp.topk(k, dim=-1)
+        alternatives = [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
+        for j in range(len(h)):
+            if start + j + 1 < len(ids):
+                logprobs.append(chosen[j])
+                tops.append(alternatives[j][:top])
+            else:
+                after = alternatives[j]
+    return PromptLogprobs(logprobs, tops, after)
 
 
 class PositionForward:
