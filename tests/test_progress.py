@@ -85,7 +85,7 @@ def test_the_local_executor_logs_a_line_per_problem_with_accuracy_and_eta(tmp_pa
     problems = [types.SimpleNamespace(id=f"p{i}", question="q", gold="1") for i in range(3)]
 
     class FakeSession:
-        plan = types.SimpleNamespace(live_problems=2, batch_problems=1)
+        plan = types.SimpleNamespace(live_problems=2, batch_problems=1, kv_budget=None, max_live=lambda: 2)
 
         def __init__(self, loaded, registry, on_load=None) -> None:
             pass
@@ -98,6 +98,9 @@ def test_the_local_executor_logs_a_line_per_problem_with_accuracy_and_eta(tmp_pa
 
         def facts(self) -> dict:
             return {"threads": 1}
+
+        def check_kv_memory(self, todo) -> None:
+            pass
 
         def trajectory(self, p):
             return types.SimpleNamespace(problem_id=p.id, steps=[1, 2], committed_tokens=7)
