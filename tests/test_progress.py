@@ -85,9 +85,12 @@ def test_the_local_executor_logs_a_line_per_problem_with_accuracy_and_eta(tmp_pa
     problems = [types.SimpleNamespace(id=f"p{i}", question="q", gold="1") for i in range(3)]
 
     class FakeSession:
-        plan = types.SimpleNamespace(live_problems=2, batch_problems=1)
+        plan = types.SimpleNamespace(live_problems=2, batch_problems=1, kv_budget=None, max_live=lambda: 2)
 
         def __init__(self, loaded, registry, on_load=None) -> None:
+            pass
+
+        def check_kv_memory(self, problems) -> None:
             pass
 
         def __enter__(self):
