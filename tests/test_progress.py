@@ -90,6 +90,9 @@ def test_the_local_executor_logs_a_line_per_problem_with_accuracy_and_eta(tmp_pa
         def __init__(self, loaded, registry, on_load=None) -> None:
             pass
 
+        def check_kv_memory(self, problems) -> None:
+            pass
+
         def __enter__(self):
             return self
 

@@ -489,12 +489,14 @@ def kv_admission_lines(loaded: "LoadedPipeline", shapes: Optional[dict] = None) 
         per = budget.problem_bytes(prompt)
         line = f"  per problem {human_bytes(per)}"
         if bound:
-            counts = [f"live_problems {pipe.run.live_problems}"] if pipe.run.live_problems else []
-            if "batch_problems" in pipe.run.model_fields_set:
-                counts.append(f"batch_problems {pipe.run.batch_problems}")
+            count = None
+            if pipe.run.live_problems:
+                count = f"{pipe.run.live_problems} (live_problems)"
+            elif "batch_problems" in pipe.run.model_fields_set:
+                count = f"{2 * pipe.run.batch_problems} (2 x batch_problems)"
             line += (f": {bound // per} problems in flight at this memory (with {TYPICAL_PROMPT_TOKENS}-token prompts"
                      f"; at most {bound // budget.smallest_problem()} with empty ones)"
-                     + (f", and at most {' / '.join(counts)} by count" if counts else ""))
+                     + (f", and at most {count} by count" if count else ""))
         out.append(line + ("" if not unknown else " (the proposers of unknown shape not counted)"))
     return out
 
