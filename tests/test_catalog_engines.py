@@ -104,7 +104,12 @@ def test_every_catalog_checkpoint_greedy_decodes_the_same_on_hf_and_sglang(name)
 
 #: the catalog checkpoints the vLLM parity runs on in the suite: all but the 1.5B, which passed it too
 #: (2026-12-05, 119 s on a 2-core EPYC) and is left out for the suite's time (the same architecture as the 0.5B)
-VLLM_PARITY = sorted((n for n in CATALOG if (CATALOG[n].size or 0) < 10**9), key=lambda n: CATALOG[n].size or 0)
+#: on vLLM, the catalog's smallest checkpoint (SmolLM2: its own architecture, tokenizer and tied
+#: embedding) in CI, the Qwen ones with KVFLOW_TEST_LARGE_CHECKPOINTS=1 (the GGUF conversion they share
+#: is checked on SGLang above; 66 s of CI time for the 0.5B on vLLM)
+VLLM_PARITY = [n if (CATALOG[n].size or 0) < 200_000_000 else pytest.param(n, marks=pytest.mark.skipif(
+    not os.environ.get("KVFLOW_TEST_LARGE_CHECKPOINTS"), reason=f"{n} on vLLM: set KVFLOW_TEST_LARGE_CHECKPOINTS=1"))
+    for n in sorted(CATALOG, key=lambda n: CATALOG[n].size or 0)]
 
 
 @pytest.mark.e2e

@@ -102,8 +102,6 @@ def test_the_local_executor_logs_a_line_per_problem_with_accuracy_and_eta(tmp_pa
         def facts(self) -> dict:
             return {"threads": 1}
 
-        def check_kv_memory(self, todo) -> None:
-            pass
 
         def trajectory(self, p):
             return types.SimpleNamespace(problem_id=p.id, steps=[1, 2], committed_tokens=7)
