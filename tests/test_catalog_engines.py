@@ -26,6 +26,7 @@ import os
 import pytest
 
 from kvflow.models.catalog import CATALOG, CatalogError, pull
+from kvflow.runtime.compile import load_engine
 
 PROMPTS = [
     "What is 2 + 2? Answer with one number.",
@@ -58,91 +59,72 @@ def _greedy(engine, full) -> list[list[int]]:
 
 
 LARGE = 500_000_000  # bytes: checkpoints above it run only on request (see the module docstring)
+#: on vLLM only the catalog's smallest checkpoint (SmolLM2: its own architecture, tokenizer and tied
+#: embedding) runs in CI; the Qwen ones share the GGUF conversion checked on SGLang (the 0.5B on vLLM
+#: cost 66 s of CI time; the 1.5B passed too, 2026-12-05, 119 s on a 2-core EPYC)
+LARGE_ON_VLLM = 200_000_000
 
 
-def _sized(name: str):
-    if (CATALOG[name].size or 0) <= LARGE:
-        return name
-    return pytest.param(name, marks=pytest.mark.skipif(
-        not os.environ.get("KVFLOW_TEST_LARGE_CHECKPOINTS"),
-        reason=f"{name} is over {LARGE // 10**6} MB: set KVFLOW_TEST_LARGE_CHECKPOINTS=1 to run it"))
+def _sized(limit: int) -> list:
+    """The catalog's checkpoints, smallest first; those over `limit` bytes run only with
+    KVFLOW_TEST_LARGE_CHECKPOINTS=1."""
+    def entry(name: str):
+        if (CATALOG[name].size or 0) <= limit:
+            return name
+        return pytest.param(name, marks=pytest.mark.skipif(
+            not os.environ.get("KVFLOW_TEST_LARGE_CHECKPOINTS"),
+            reason=f"{name} is over {limit // 10**6} MB here: set KVFLOW_TEST_LARGE_CHECKPOINTS=1 to run it"))
+
+    return [entry(n) for n in sorted(CATALOG, key=lambda n: CATALOG[n].size or 0)]
+
+
+def _assert_decodes_as_on_hf(name: str, backend: str, engine_settings: dict) -> None:
+    """Greedy tokens of catalog checkpoint `name` on `backend` (its engine loaded after hf's copy
+    is freed: the 1.5B is 6 GB in float32) equal hf's, and say something (not one token over and
+    over: SGLang's noise was EOS forever)."""
+    from kvflow.backends.hf import HFBackend
+    from kvflow.config.schema import ModelConfig
+    from kvflow.models.loading import clear_model_cache
+    from kvflow.registry import get_registry
+
+    _pulled(name)
+    none = get_registry().get("evictors", "none")
+    full = none(none.Params())
+    hf = HFBackend.load(ModelConfig(id=f"catalog:{name}", dtype="float32", device="cpu"))
+    want = _greedy(hf, full)
+    del hf
+    clear_model_cache()
+    gc.collect()
+    loader = get_registry().get("backends", backend)
+    other = load_engine(loader, ModelConfig(backend=backend, id=f"catalog:{name}", dtype="float32", device="cpu",
+                                            engine=engine_settings), evicting=False)
+    try:
+        got = _greedy(other, full)
+        tok = other.tokenizer
+    finally:
+        other.worker.close()
+    texts = [(tok.decode(w), tok.decode(g)) for w, g in zip(want, got)]
+    assert len({t for w in want for t in w}) > 10, texts
+    assert got == want, "\n".join(f"hf:   {w!r}\n{backend}: {g!r}" for w, g in texts)
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("name", [_sized(n) for n in sorted(CATALOG, key=lambda n: CATALOG[n].size or 0)])
+@pytest.mark.parametrize("name", _sized(LARGE))
 def test_every_catalog_checkpoint_greedy_decodes_the_same_on_hf_and_sglang(name):
     from conftest import require_sglang
 
     require_sglang()
-    _pulled(name)
-    from kvflow.backends.hf import HFBackend
-    from kvflow.backends.sglang import SGLangBackend
-    from kvflow.config.schema import ModelConfig
-    from kvflow.models.loading import clear_model_cache
-    from kvflow.registry import get_registry
-
-    none = get_registry().get("evictors", "none")
-    full = none(none.Params())
-    hf = HFBackend.load(ModelConfig(id=f"catalog:{name}", dtype="float32", device="cpu"))
-    want = _greedy(hf, full)
-    del hf
-    clear_model_cache()
-    gc.collect()  # the hf copy goes before SGLang loads its own (the 1.5B is 6 GB in float32)
-    sg = SGLangBackend.load(ModelConfig(backend="sglang", id=f"catalog:{name}", dtype="float32", device="cpu",
-                                        engine={"max_total_tokens": 4096}),  # a small KV pool: CI's memory
-                            evicting=False)
-    try:
-        got = _greedy(sg, full)
-        tok = sg.tokenizer
-    finally:
-        sg.worker.close()
-    texts = [(tok.decode(w), tok.decode(g)) for w, g in zip(want, got)]
-    # a real model says something, not one token over and over (SGLang's noise was EOS forever)
-    assert len({t for w in want for t in w}) > 10, texts
-    assert got == want, "\n".join(f"hf:     {w!r}\nsglang: {g!r}" for w, g in texts)
-
-
-#: the catalog checkpoints the vLLM parity runs on in the suite: all but the 1.5B, which passed it too
-#: (2026-12-05, 119 s on a 2-core EPYC) and is left out for the suite's time (the same architecture as the 0.5B)
-#: on vLLM, the catalog's smallest checkpoint (SmolLM2: its own architecture, tokenizer and tied
-#: embedding) in CI, the Qwen ones with KVFLOW_TEST_LARGE_CHECKPOINTS=1 (the GGUF conversion they share
-#: is checked on SGLang above; 66 s of CI time for the 0.5B on vLLM)
-VLLM_PARITY = [n if (CATALOG[n].size or 0) < 200_000_000 else pytest.param(n, marks=pytest.mark.skipif(
-    not os.environ.get("KVFLOW_TEST_LARGE_CHECKPOINTS"), reason=f"{n} on vLLM: set KVFLOW_TEST_LARGE_CHECKPOINTS=1"))
-    for n in sorted(CATALOG, key=lambda n: CATALOG[n].size or 0)]
+    _assert_decodes_as_on_hf(name, "sglang", {"max_total_tokens": 4096})  # a small KV pool: CI's memory
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("name", VLLM_PARITY)
+@pytest.mark.parametrize("name", _sized(LARGE_ON_VLLM))
 def test_catalog_checkpoints_greedy_decode_the_same_on_hf_and_vllm(name):
     from conftest import require_vllm
 
     require_vllm()
-    _pulled(name)
-    from kvflow.backends.hf import HFBackend
-    from kvflow.backends.vllm import VLLMBackend
-    from kvflow.config.schema import ModelConfig
-    from kvflow.models.loading import clear_model_cache
-    from kvflow.registry import get_registry
-
-    none = get_registry().get("evictors", "none")
-    full = none(none.Params())
-    hf = HFBackend.load(ModelConfig(id=f"catalog:{name}", dtype="float32", device="cpu"))
-    want = _greedy(hf, full)
-    del hf
-    clear_model_cache()
-    gc.collect()  # the hf copy goes before vLLM loads its own
     # a small KV cache and context: CI's memory
-    vl = VLLMBackend.load(ModelConfig(backend="vllm", id=f"catalog:{name}", dtype="float32", device="cpu",
-                                      engine={"kv_cache_memory_bytes": 1 << 28, "max_model_len": 1024}))
-    try:
-        got = _greedy(vl, full)
-        tok = vl.tokenizer
-    finally:
-        vl.worker.close()
-    texts = [(tok.decode(w), tok.decode(g)) for w, g in zip(want, got)]
-    assert len({t for w in want for t in w}) > 10, texts
-    assert got == want, "\n".join(f"hf:   {w!r}\nvllm: {g!r}" for w, g in texts)
+    _assert_decodes_as_on_hf(name, "vllm", {"kv_cache_memory_bytes": 1 << 28, "max_model_len": 1024})
 
 
 @pytest.mark.e2e

@@ -15,6 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvflow.testing import tiny_engine
+from kvflow.testing.engine_contract import run_to_end
 
 QUESTION = "Natalia sold clips to 48 of her friends in April, and then half as many in May. How many?"
 
@@ -203,11 +204,8 @@ def test_a_pool_whose_rows_were_all_given_back_shrinks_to_none_and_decodes_on():
     for e in (fresh, engine):
         e.runner.eos_ids = set()
     states = engine.start([StartRequest(QUESTION + " x" * i, ev, i) for i in range(8)])
-    engine.submit([ProposeRequest(s, "base", SamplingSpec(2, 0.0, 1.0, 1, "\x00\x01"), i, 100)
-                   for i, s in enumerate(states)])
-    ended = []
-    while engine.busy_rows():
-        ended += engine.step()
+    ended = run_to_end(engine, [ProposeRequest(s, "base", SamplingSpec(2, 0.0, 1.0, 1, "\x00\x01"), i, 100)
+                                for i, s in enumerate(states)])
     engine.release(states, ended)
     del ended
     (pool,) = [p for _, p in engine.pools.values()]
@@ -215,12 +213,8 @@ def test_a_pool_whose_rows_were_all_given_back_shrinks_to_none_and_decodes_on():
     outs = []
     for e in (engine, fresh):
         (state,) = e.start([StartRequest(QUESTION, ev, 0)])
-        request = ProposeRequest(state, "base", SamplingSpec(2, 0.0, 1.0, 6, "\x00\x01"), 0, 100)
-        e.submit([request])
-        done = []
-        while not done:
-            done = e.step()
-        outs.append([c.token_ids for c in done[0].candidates])
+        (done,) = run_to_end(e, [ProposeRequest(state, "base", SamplingSpec(2, 0.0, 1.0, 6, "\x00\x01"), 0, 100)])
+        outs.append([c.token_ids for c in done.candidates])
     assert pool.cache.n_rows == 2  # shrunk to none, then grown for the new proposal's rows
     assert outs[0] == outs[1]
 
@@ -239,22 +233,15 @@ def test_an_idle_engine_decodes_as_a_new_one(kind, dtype):
 
     def alone(engine):
         (state,) = engine.start([StartRequest(QUESTION, ev, 0)])
-        engine.submit([ProposeRequest(state, "base", spec, 7, 100)])
-        done = []
-        while engine.busy_rows():
-            done += engine.step()
-        tokens = [c.token_ids for c in done[0].candidates]
-        engine.release([state], done)
-        return tokens
+        (done,) = run_to_end(engine, [ProposeRequest(state, "base", spec, 7, 100)])
+        engine.release([state], [done])
+        return [c.token_ids for c in done.candidates]
 
     fresh = alone(tiny_engine("qwen2", seed=1, dtype=dtype))
     engine = tiny_engine("qwen2", seed=1, dtype=dtype)
     states = engine.start([StartRequest(QUESTION + " and more" * i, ev, i) for i in range(4)])
-    engine.submit([ProposeRequest(s, "base", SamplingSpec(3, 1.0, 1.0, 20, "\x00\x01"), i, 100)
-                   for i, s in enumerate(states)])
-    done = []
-    while engine.busy_rows():
-        done += engine.step()
+    done = run_to_end(engine, [ProposeRequest(s, "base", SamplingSpec(3, 1.0, 1.0, 20, "\x00\x01"), i, 100)
+                               for i, s in enumerate(states)])
     engine.release(states, done)
     del done, states
     engine.step()  # idle: nothing to decode

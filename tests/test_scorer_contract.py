@@ -20,18 +20,26 @@ NEEDS_A_MODEL = {"prm": {"model": MODEL_KEY, "protocol": "math-shepherd"}, "llm_
 CASES = [(name, NEEDS_A_MODEL.get(name, {})) for name in NAMES] + [("likelihood", {"model": MODEL_KEY})]
 
 
+def _factory(name: str, extra: dict):
+    """The contract's scorer factory for registered scorer `name`, with `extra` params on top."""
+    cls = get_registry().get("scorers", name)
+    return lambda context, **params: cls(cls.Params(**{**params, **extra}), context)
+
+
+def _ids(cases) -> list[str]:
+    return [f"{n}-{'-'.join(map(str, p.values())) or 'defaults'}" for n, p in cases]
+
+
 def test_builtins_registered():
     assert {"likelihood", "llm_judge", "prm", "random"} <= set(NAMES)
 
 
 class TestRegisteredScorers(ScorerContract):
     @pytest.fixture(scope="class", params=CASES,
-                    ids=[f"{n}-{'-'.join(map(str, p.values())) or 'defaults'}" for n, p in CASES])
+                    ids=_ids(CASES))
     @classmethod
     def scorer_factory(cls, request):
-        name, extra = request.param
-        cls = get_registry().get("scorers", name)
-        return lambda context, **params: cls(cls.Params(**{**params, **extra}), context)
+        return _factory(*request.param)
 
 
 def _declares(name: str, backend: str) -> bool:
@@ -51,12 +59,10 @@ class TestRegisteredScorersOnSGLang(ScorerContract):
     contract_backend = "sglang"
 
     @pytest.fixture(scope="class", params=SGLANG_CASES,
-                    ids=[f"{n}-{'-'.join(map(str, p.values()))}" for n, p in SGLANG_CASES])
+                    ids=_ids(SGLANG_CASES))
     @classmethod
     def scorer_factory(cls, request):
-        name, extra = request.param
-        cls = get_registry().get("scorers", name)
-        return lambda context, **params: cls(cls.Params(**{**params, **extra}), context)
+        return _factory(*request.param)
 
 
 def test_scorers_on_vllm_are_covered():
@@ -67,12 +73,10 @@ class TestRegisteredScorersOnVLLM(ScorerContract):
     contract_backend = "vllm"
 
     @pytest.fixture(scope="class", params=VLLM_CASES,
-                    ids=[f"{n}-{'-'.join(map(str, p.values()))}" for n, p in VLLM_CASES])
+                    ids=_ids(VLLM_CASES))
     @classmethod
     def scorer_factory(cls, request):
         from conftest import require_vllm
 
         require_vllm()
-        name, extra = request.param
-        cls = get_registry().get("scorers", name)
-        return lambda context, **params: cls(cls.Params(**{**params, **extra}), context)
+        return _factory(*request.param)

@@ -18,33 +18,13 @@ import time
 import pytest
 
 from conftest import REPO, committed_steps, require_sglang, wait_for_first_record
-from kvflow.components.base import Pruner, PrunerParams, Trajectory
+from kvflow.components.base import Trajectory
 from kvflow.components.engine import ProposeRequest, SamplingSpec, StartRequest, SyncRequest
 from kvflow.testing import tiny_pipeline
-from kvflow.testing.engine_contract import run_to_end
+from kvflow.testing.engine_contract import StopAt, full_cache, run_to_end
 
 from kvflow.testing.engine_parity import QUESTION
 from kvflow.testing.engine_parity import chat_prompt as _prompt
-
-
-def _full():
-    from kvflow_builtin.evictors.none import NoEviction, NoEvictionParams
-
-    return NoEviction(NoEvictionParams())
-
-
-class _StopAt(Pruner):
-    Params = PrunerParams
-    needs_text = False
-
-    def __init__(self, at: int) -> None:
-        super().__init__(PrunerParams(threshold=at))
-
-    def signal(self, trace):
-        return trace.n_tokens.float()
-
-    def check(self, trace):
-        return trace.n_tokens >= int(self.params.threshold)
 
 
 def test_steps_with_a_delimiter_equal_hf_token_for_token(sglang_engine, hf_engine):
@@ -52,7 +32,7 @@ def test_steps_with_a_delimiter_equal_hf_token_for_token(sglang_engine, hf_engin
     spec = SamplingSpec(2, 0.0, 1.0, 16, " ")
     got = {}
     for engine in (hf_engine, sglang_engine):
-        (state,) = engine.start([StartRequest(_prompt(engine), _full(), 1)])
+        (state,) = engine.start([StartRequest(_prompt(engine), full_cache(), 1)])
         steps = []
         for _ in range(3):
             (p,) = run_to_end(engine, [ProposeRequest(state, "helper", spec, 0, 100)])
@@ -72,8 +52,8 @@ def test_likelihood_scores_equal_hf(sglang_engine, hf_engine):
 
 
 def test_a_pruned_candidate_is_aborted_in_the_engine(sglang_engine):
-    spec = SamplingSpec(2, 1.0, 1.0, 400, "\x00\x01", pruners=(("stop4", _StopAt(4)),))
-    (state,) = sglang_engine.start([StartRequest(_prompt(sglang_engine), _full(), 1)])
+    spec = SamplingSpec(2, 1.0, 1.0, 400, "\x00\x01", pruners=(("stop4", StopAt(4)),))
+    (state,) = sglang_engine.start([StartRequest(_prompt(sglang_engine), full_cache(), 1)])
     run_to_end(sglang_engine, [ProposeRequest(state, "base", SamplingSpec(2, 1.0, 1.0, 4, "\x00\x01"), 4, 1000)])
     before = dict(sglang_engine.counters)  # (after a first sampled step: SGLang's own warm-up)
     (p,) = run_to_end(sglang_engine, [ProposeRequest(state, "base", spec, 5, 1000)])
@@ -92,7 +72,7 @@ def test_a_proposal_that_ends_while_scoring_is_still_handed_back(sglang_engine):
     # must stay busy until step() hands the proposal back, or the scheduler never asks again
     # (200 tokens: the rows must outlast step()'s first poll, 20 ms, on a fast tiny model)
     spec = SamplingSpec(2, 0.0, 1.0, 200, "\x00\x01")
-    (state,) = sglang_engine.start([StartRequest(_prompt(sglang_engine), _full(), 1)])
+    (state,) = sglang_engine.start([StartRequest(_prompt(sglang_engine), full_cache(), 1)])
     request = ProposeRequest(state, "helper", spec, 0, 1000)
     sglang_engine.submit([request])
     assert sglang_engine.step() == []  # admitted: its requests are in the engine
@@ -110,7 +90,7 @@ def test_a_proposal_that_ends_while_scoring_is_still_handed_back(sglang_engine):
 
 def test_the_prefix_is_served_from_the_radix_cache(sglang_engine):
     spec = SamplingSpec(2, 0.0, 1.0, 8, "\x00\x01")
-    (state,) = sglang_engine.start([StartRequest(_prompt(sglang_engine), _full(), 1)])
+    (state,) = sglang_engine.start([StartRequest(_prompt(sglang_engine), full_cache(), 1)])
     (p,) = run_to_end(sglang_engine, [ProposeRequest(state, "base", spec, 0, 100)])
     (state,) = sglang_engine.sync([SyncRequest(state, p, 0, p.candidates[0].text)])
     sglang_engine.drain()  # ends of earlier tests' stopped candidates must not count here

@@ -15,31 +15,11 @@ import os
 import pytest
 
 from conftest import committed_steps, require_vllm
-from kvflow.components.base import Pruner, PrunerParams, Trajectory
+from kvflow.components.base import Trajectory
 from kvflow.components.engine import ProposeRequest, SamplingSpec, StartRequest, SyncRequest
 from kvflow.testing import tiny_pipeline
-from kvflow.testing.engine_contract import run_to_end
+from kvflow.testing.engine_contract import StopAt, full_cache, run_to_end
 from kvflow.testing.engine_parity import QUESTION, backend_model_dir, chat_prompt, load_engine
-
-
-def _full():
-    from kvflow_builtin.evictors.none import NoEviction, NoEvictionParams
-
-    return NoEviction(NoEvictionParams())
-
-
-class _StopAt(Pruner):
-    Params = PrunerParams
-    needs_text = False
-
-    def __init__(self, at: int) -> None:
-        super().__init__(PrunerParams(threshold=at))
-
-    def signal(self, trace):
-        return trace.n_tokens.float()
-
-    def check(self, trace):
-        return trace.n_tokens >= int(self.params.threshold)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +42,7 @@ def test_steps_with_a_delimiter_equal_hf_token_for_token(vllm_engine, hf_on_vllm
     spec = SamplingSpec(2, 0.0, 1.0, 16, " ")
     got = {}
     for engine in (hf_on_vllm_model, vllm_engine):
-        (state,) = engine.start([StartRequest(chat_prompt(engine), _full(), 1)])
+        (state,) = engine.start([StartRequest(chat_prompt(engine), full_cache(), 1)])
         steps = []
         for k in range(3):
             (p,) = run_to_end(engine, [ProposeRequest(state, "helper", spec, 0, 100)])
@@ -86,8 +66,8 @@ def test_a_pruned_candidate_is_aborted_in_the_engine(vllm_engine):
     """A candidate kvflow prunes at its 4th token stops in vLLM too: of the 400 tokens it may
     make, vLLM makes only the few it had decoded before the abort arrived (counted, not used).
     (A row that vLLM ended itself, on EOS, before kvflow read its 4th token needs no abort.)"""
-    spec = SamplingSpec(2, 1.0, 1.0, 400, "\x00\x01", pruners=(("stop4", _StopAt(4)),))
-    (state,) = vllm_engine.start([StartRequest(chat_prompt(vllm_engine), _full(), 1)])
+    spec = SamplingSpec(2, 1.0, 1.0, 400, "\x00\x01", pruners=(("stop4", StopAt(4)),))
+    (state,) = vllm_engine.start([StartRequest(chat_prompt(vllm_engine), full_cache(), 1)])
     before = dict(vllm_engine.counters)
     (p,) = run_to_end(vllm_engine, [ProposeRequest(state, "base", spec, 5, 1000)])
     vllm_engine.drain()
@@ -106,7 +86,7 @@ def test_the_prefix_is_served_from_the_prefix_cache(vllm_engine):
     question = " ".join([QUESTION] * 12)  # a prompt longer than two blocks
     prompt = vllm_engine.tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
                                                        add_generation_prompt=True)
-    (state,) = vllm_engine.start([StartRequest(prompt, _full(), 1)])
+    (state,) = vllm_engine.start([StartRequest(prompt, full_cache(), 1)])
     assert len(state.ids) > 256
     spec = SamplingSpec(2, 1.0, 1.0, 4, "\x00\x01")
     run_to_end(vllm_engine, [ProposeRequest(state, "base", spec, 1, 100)])
@@ -149,7 +129,7 @@ def test_a_killed_worker_stops_the_engine_clearly_and_leaves_no_process(vllm_eng
 
     from kvflow.backends.vllm.client import EngineError
 
-    (state,) = vllm_engine.start([StartRequest(chat_prompt(vllm_engine), _full(), 1)])
+    (state,) = vllm_engine.start([StartRequest(chat_prompt(vllm_engine), full_cache(), 1)])
     vllm_engine.submit([ProposeRequest(state, "base", SamplingSpec(2, 1.0, 1.0, 400, "\x00\x01"), 3, 1000)])
     vllm_engine.step()
     pid = vllm_engine.worker.proc.pid

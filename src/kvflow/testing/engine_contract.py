@@ -73,8 +73,8 @@ SCORED_TEXTS = ["Altogether she sold 48 + 24 = 72 clips.\n\n", "The answer is \\
 NUCLEUS_SLACK = 1e-3
 
 
-class _StopAt(Pruner):
-    """Flags every row once it has `threshold` tokens; records what it saw."""
+class StopAt(Pruner):
+    """Flags every row once it has `threshold` tokens; records what it saw (engines' own tests use it too)."""
 
     Params = PrunerParams
     needs_text = False
@@ -117,7 +117,8 @@ class _Probe(Pruner):
         return torch.zeros(len(trace.n_tokens), dtype=torch.bool)
 
 
-def _full():
+def full_cache():
+    """The `none` evictor: a full cache (engines' own tests use it too)."""
     from kvflow.registry import get_registry
 
     cls = get_registry().get("evictors", "none")
@@ -253,7 +254,7 @@ class EngineContract:
     def evictor(self, engine, kind: str, budget: int = 400):
         """The full cache, or an evicting one (skips the test on an engine that does not evict)."""
         if kind == "full":
-            return _full()
+            return full_cache()
         if not getattr(engine, "evicts", True):
             pytest.skip(f"the {engine.backend} engine runs full-context proposers only")
         return _evicting(budget)
@@ -290,7 +291,7 @@ class EngineContract:
 
         temperature, top_p = 0.7, 0.05
         prompt = self.prompt(reference, 2)
-        (state,) = engine.start([StartRequest(prompt, _full(), 5)])
+        (state,) = engine.start([StartRequest(prompt, full_cache(), 5)])
         spec = SamplingSpec(4, temperature, top_p, 8, NO_DELIMITER)
         (p,) = run_to_end(engine, [ProposeRequest(state, "base", spec, 41, 100)])
         context = self.encode(reference, prompt)
@@ -346,7 +347,7 @@ class EngineContract:
             if delimiter is not None:
                 break
         assert delimiter is not None, "the contract's greedy texts have no delimiter to try across two tokens"
-        (state,) = engine.start([StartRequest(prompt, _full(), 5)])
+        (state,) = engine.start([StartRequest(prompt, full_cache(), 5)])
         spec = SamplingSpec(1, 0.0, 1.0, 24, delimiter)
         (p,) = run_to_end(engine, [ProposeRequest(state, "base", spec, 0, 100)])
         (c,) = p.candidates
@@ -362,8 +363,8 @@ class EngineContract:
         its finish is the stop rule's. Here the pruner flags every row at its 3rd token, the
         step cap (max_step_tokens, or token_room) ends it there too."""
         prompt = self.prompt(reference, 1)
-        by_cap, by_room = _StopAt(3), _StopAt(3)
-        states = engine.start([StartRequest(prompt, _full(), 2) for _ in range(2)])
+        by_cap, by_room = StopAt(3), StopAt(3)
+        states = engine.start([StartRequest(prompt, full_cache(), 2) for _ in range(2)])
         reqs = [ProposeRequest(states[0], "base", SamplingSpec(2, 1.0, 1.0, 3, NO_DELIMITER,
                                                                pruners=(("stop3", by_cap),)), 8, 100),
                 ProposeRequest(states[1], "base", SamplingSpec(2, 1.0, 1.0, 10, NO_DELIMITER,
@@ -380,9 +381,9 @@ class EngineContract:
         engine.release(states, [])
 
     def test_the_first_flagging_pruner_names_the_finish(self, engine, reference):
-        first, second = _StopAt(2), _StopAt(2)
+        first, second = StopAt(2), StopAt(2)
         spec = SamplingSpec(2, 1.0, 1.0, 10, NO_DELIMITER, pruners=(("first", first), ("second", second)))
-        (state,) = engine.start([StartRequest(self.prompt(reference, 0), _full(), 1)])
+        (state,) = engine.start([StartRequest(self.prompt(reference, 0), full_cache(), 1)])
         (p,) = run_to_end(engine, [ProposeRequest(state, "base", spec, 4, 100)])
         for c in p.candidates:
             assert c.finish == "pruned:first" or (c.finish == "eos" and c.n_tokens <= 2), (
@@ -399,9 +400,9 @@ class EngineContract:
         import torch
 
         probes = {name: _Probe(name) for name in ("entropy", "text", "count")}
-        pruners = (("stop4", _StopAt(4)),) + tuple(probes.items())
+        pruners = (("stop4", StopAt(4)),) + tuple(probes.items())
         spec = SamplingSpec(4, 1.0, 1.0, 8, " ", pruners=pruners, record_signals=True)
-        (state,) = engine.start([StartRequest(self.prompt(reference, 1), _full(), 6)])
+        (state,) = engine.start([StartRequest(self.prompt(reference, 1), full_cache(), 6)])
         (p,) = run_to_end(engine, [ProposeRequest(state, "base", spec, 17, 100)])
         _, tok = reference
         recorded = 0
@@ -429,7 +430,7 @@ class EngineContract:
         spec = SamplingSpec(2, 1.0, 1.0, 6, NO_DELIMITER)
 
         def propose(max_rows):
-            states = engine.start([StartRequest(self.prompt(reference, i), _full(), 3) for i in range(3)])
+            states = engine.start([StartRequest(self.prompt(reference, i), full_cache(), 3) for i in range(3)])
             reqs = [ProposeRequest(s, "base", spec, 30 + j, 100, tag=j) for j, s in enumerate(states)]
             order, widest = [], 0
             engine.submit(reqs)
@@ -467,7 +468,7 @@ class EngineContract:
         """When nothing is decoding, the oldest proposal starts even if it alone needs more
         rows than `max_rows`; the next waits until it has ended."""
         spec3, spec1 = SamplingSpec(3, 1.0, 1.0, 5, NO_DELIMITER), SamplingSpec(1, 1.0, 1.0, 5, NO_DELIMITER)
-        states = engine.start([StartRequest(self.prompt(reference, i), _full(), 3) for i in range(2)])
+        states = engine.start([StartRequest(self.prompt(reference, i), full_cache(), 3) for i in range(2)])
         reqs = [ProposeRequest(states[0], "base", spec3, 50, 100, tag="wide"),
                 ProposeRequest(states[1], "base", spec1, 51, 100, tag="next")]
         order, widest = [], 0
@@ -491,7 +492,7 @@ class EngineContract:
         from kvflow.timing import PhaseClock
 
         clock, saved = PhaseClock(), (engine.clock, engine.label)
-        (state,) = engine.start([StartRequest(self.prompt(reference, 0), _full(), 1)])
+        (state,) = engine.start([StartRequest(self.prompt(reference, 0), full_cache(), 1)])
         engine.clock, engine.label = clock, "base"
         try:
             forwards, rows = engine.forwards, engine.rows_decoded
@@ -551,7 +552,7 @@ class EngineContract:
         session.release(["p0", "p1"])
 
     def test_candidates_are_well_formed(self, engine, reference):
-        (state,) = engine.start([StartRequest(self.prompt(reference, 0), _full(), 7)])
+        (state,) = engine.start([StartRequest(self.prompt(reference, 0), full_cache(), 7)])
         spec = SamplingSpec(4, 1.0, 0.9, 12, " ")
         (p,) = run_to_end(engine, [ProposeRequest(state, "helper", spec, 5, 7, tag="mine")])
         assert p.request.tag == "mine" and len(p.candidates) == 4
@@ -579,7 +580,7 @@ class EngineContract:
 
         def candidates(seed, others=0):
             prompts = [self.prompt(reference, 1)] + [self.prompt(reference, i % 3) for i in range(others)]
-            ev = _evicting(8) if getattr(engine, "evicts", True) else _full()
+            ev = _evicting(8) if getattr(engine, "evicts", True) else full_cache()
             states = engine.start([StartRequest(p, ev, 9) for p in prompts])
             reqs = [ProposeRequest(s, "base", spec, seed + 100 * j, 100) for j, s in enumerate(states)]
             proposals = run_to_end(engine, reqs)
@@ -595,9 +596,9 @@ class EngineContract:
         assert len({tuple(c) for c in alone}) > 1, "the candidates of one request should differ"
 
     def test_pruners_stop_rows_at_once(self, engine, reference):
-        pruner = _StopAt(3)
+        pruner = StopAt(3)
         spec = SamplingSpec(2, 1.0, 1.0, 10, NO_DELIMITER, pruners=(("stop3", pruner),))
-        (state,) = engine.start([StartRequest(self.prompt(reference, 2), _full(), 1)])
+        (state,) = engine.start([StartRequest(self.prompt(reference, 2), full_cache(), 1)])
         (p,) = run_to_end(engine, [ProposeRequest(state, "base", spec, 3, 100)])
         for c in p.candidates:
             assert c.finish == "pruned:stop3" or (c.finish == "eos" and c.n_tokens <= 3)
