@@ -8,8 +8,11 @@ across token boundaries, then the step's cap), then the pruners on every row sti
 ended by kvflow is handed to the engine's `_stop(row)`, which aborts it in the engine. Entropies
 are estimated and token confidences computed from the top-k (`kvflow.backends.signals`).
 
-The engine provides `tokenizer`, `vocab_size`, `eos_ids`, `_rows` (rid -> (running, row) of the
-rows the engine has not ended) and `_stop(row)`.
+The mixin also queues proposals (`submit`, `busy_rows`, `_admit`: whole proposals, oldest first,
+within `max_rows`). The engine provides `tokenizer`, `vocab_size`, `eos_ids`, `worker` (with
+`new_rid`), `counters`, `waiting` (a deque), `running` (a list), `_rows` (rid -> (running, row)
+of the rows the engine has not ended), `_send_row(request, index, row, cap)` (start one
+candidate in the engine) and `_stop(row)`.
 """
 
 from __future__ import annotations
@@ -51,6 +54,37 @@ class StreamedRows:
     """Stop rules, pruners and candidates for rows streamed from another process (see the module docstring)."""
 
     _pieces: dict
+
+    # ------------------------------------------------------------------ the queue of proposals
+
+    def submit(self, requests) -> None:
+        self.waiting.extend(requests)
+
+    def busy_rows(self) -> int:
+        # every row of a running proposal counts until step() hands the proposal back: rows can
+        # end outside step() (scoring polls the same worker), and the scheduler only steps an
+        # engine that says it is busy
+        return sum(r.spec.n for r in self.waiting) + sum(len(r.rows) for r in self.running)
+
+    def _admit(self, max_rows: Optional[int]) -> None:
+        """Start queued proposals, oldest first and whole, while the rows decoding stay within
+        `max_rows` (the oldest starts alone when nothing runs): one engine request per candidate,
+        sent by the engine's `_send_row(request, index, row, cap)`."""
+        busy = sum(1 for r in self.running for row in r.rows if row.finish is None)
+        while self.waiting and (max_rows is None or not self.running or busy + self.waiting[0].spec.n <= max_rows):
+            req = self.waiting.popleft()
+            cap = min(req.spec.max_step_tokens, max(1, req.token_room))
+            running = Running(req, [], cap)
+            for i in range(req.spec.n):
+                row = Row(self.worker.new_rid("p"))
+                running.rows.append(row)
+                self._rows[row.rid] = (running, row)
+                self._send_row(req, i, row, cap)
+                self.counters["requests"] += 1
+            self.running.append(running)
+            busy += req.spec.n
+
+    # ------------------------------------------------------------------ tokens as they arrive
 
     def piece(self, token: int) -> str:
         p = self._pieces.get(token)

@@ -233,43 +233,22 @@ class SGLangEngine(EvictedStates, StreamedRows):
 
     # ------------------------------------------------------------------ proposals
 
-    def submit(self, requests: Sequence[ProposeRequest]) -> None:
-        self.waiting.extend(requests)
-
-    def busy_rows(self) -> int:
-        # every row of a running proposal counts until step() hands the proposal back: rows can
-        # end outside step() (scoring polls the same worker), and the scheduler only steps an
-        # engine that says it is busy
-        return sum(r.spec.n for r in self.waiting) + sum(len(r.rows) for r in self.running)
-
-    def _admit(self, max_rows: Optional[int]) -> None:
-        busy = sum(1 for r in self.running for row in r.rows if row.finish is None)
-        while self.waiting and (max_rows is None or not self.running or busy + self.waiting[0].spec.n <= max_rows):
-            req = self.waiting.popleft()
-            spec = req.spec
-            cap = min(spec.max_step_tokens, max(1, req.token_room))
-            running = Running(req, [], cap)
-            for i in range(spec.n):
-                row = Row(self.worker.new_rid("p"))
-                running.rows.append(row)
-                self._rows[row.rid] = (running, row)
-                params = {"max_new_tokens": cap, "temperature": spec.temperature, "top_p": spec.top_p,
-                          "stop": [spec.delimiter] if spec.delimiter else [], "no_stop_trim": True,
-                          "skip_special_tokens": False}
-                if spec.temperature > 0:
-                    params["sampling_seed"] = row_seed(req.seed, i)
-                state, ids = req.state, req.state.ids
-                if isinstance(state, EvictedState):  # from the state's snapshot: its resident tail + the pending token
-                    row.snap = "c-" + row.rid
-                    self._owned[row.snap] = state.dp_rank
-                    self._evicted_rids.add(row.rid)
-                    params["custom_params"] = {"kvflow_evict": self._spec(
-                        state, rng_key=row_seed(state.rng_key, i), save_as=row.snap)}
-                    ids = ids[state.cached - state.resident :]
-                self.worker.send("generate", row.rid, ids, params, TOP_K, state.dp_rank)
-                self.counters["requests"] += 1
-            self.running.append(running)
-            busy += spec.n
+    def _send_row(self, req: ProposeRequest, i: int, row: Row, cap: int) -> None:
+        spec = req.spec
+        params = {"max_new_tokens": cap, "temperature": spec.temperature, "top_p": spec.top_p,
+                  "stop": [spec.delimiter] if spec.delimiter else [], "no_stop_trim": True,
+                  "skip_special_tokens": False}
+        if spec.temperature > 0:
+            params["sampling_seed"] = row_seed(req.seed, i)
+        state, ids = req.state, req.state.ids
+        if isinstance(state, EvictedState):  # from the state's snapshot: its resident tail + the pending token
+            row.snap = "c-" + row.rid
+            self._owned[row.snap] = state.dp_rank
+            self._evicted_rids.add(row.rid)
+            params["custom_params"] = {"kvflow_evict": self._spec(
+                state, rng_key=row_seed(state.rng_key, i), save_as=row.snap)}
+            ids = ids[state.cached - state.resident :]
+        self.worker.send("generate", row.rid, ids, params, TOP_K, state.dp_rank)
 
     def step(self, max_rows: Optional[int] = None) -> list[Proposal]:
         self._admit(max_rows)

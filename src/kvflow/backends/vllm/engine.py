@@ -137,35 +137,15 @@ class VLLMEngine(StreamedRows):
 
     # ------------------------------------------------------------------ proposals
 
-    def submit(self, requests: Sequence[ProposeRequest]) -> None:
-        self.waiting.extend(requests)
-
-    def busy_rows(self) -> int:
-        # every row of a running proposal counts until step() hands the proposal back (rows can
-        # end outside step(): scoring polls the same worker)
-        return sum(r.spec.n for r in self.waiting) + sum(len(r.rows) for r in self.running)
-
-    def _admit(self, max_rows: Optional[int]) -> None:
-        busy = sum(1 for r in self.running for row in r.rows if row.finish is None)
-        while self.waiting and (max_rows is None or not self.running or busy + self.waiting[0].spec.n <= max_rows):
-            req = self.waiting.popleft()
-            spec = req.spec
-            cap = min(spec.max_step_tokens, max(1, req.token_room))
-            running = Running(req, [], cap)
-            for i in range(spec.n):
-                row = Row(self.worker.new_rid("p"))
-                running.rows.append(row)
-                self._rows[row.rid] = (running, row)
-                # no stop strings: kvflow ends a step at the delimiter itself (matched on token
-                # pieces as on `hf`) and aborts the request; EOS is the engine's stop too
-                params = {"max_tokens": cap, "temperature": spec.temperature, "logprobs": TOP_K,
-                          "stop_token_ids": sorted(self.eos_ids)}
-                if spec.temperature > 0:
-                    params.update(top_p=spec.top_p, seed=row_seed(req.seed, i))
-                self.worker.send("generate", row.rid, req.state.ids, params)
-                self.counters["requests"] += 1
-            self.running.append(running)
-            busy += spec.n
+    def _send_row(self, req: ProposeRequest, i: int, row: Row, cap: int) -> None:
+        spec = req.spec
+        # no stop strings: kvflow ends a step at the delimiter itself (matched on token
+        # pieces as on `hf`) and aborts the request; EOS is the engine's stop too
+        params = {"max_tokens": cap, "temperature": spec.temperature, "logprobs": TOP_K,
+                  "stop_token_ids": sorted(self.eos_ids)}
+        if spec.temperature > 0:
+            params.update(top_p=spec.top_p, seed=row_seed(req.seed, i))
+        self.worker.send("generate", row.rid, req.state.ids, params)
 
     def step(self, max_rows: Optional[int] = None) -> list[Proposal]:
         self._admit(max_rows)
