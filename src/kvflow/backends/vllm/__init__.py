@@ -30,7 +30,7 @@ class VLLMBackend:
     and the scorers that need prompt log-probabilities (`likelihood`)."""
 
     name = "vllm"
-    evicts = False  # evicted proposers are refused at validate/compile (kvflow.runtime.compile)
+    evicts = True  # evicted proposers run through kvflow's hooks in the worker (evict.py)
     #: the tiny model kvflow's contract suites run it on (kvflow.testing.engine_parity.contract_arch):
     #: vLLM's CPU attention serves head_dim 32 and up, not the 16 of the default tiny Qwen2
     contract_arch = "qwen2-hd32"

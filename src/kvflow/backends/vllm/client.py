@@ -52,7 +52,7 @@ class Worker:
                                 stderr=log, env=env, start_new_session=True, text=True, bufsize=1)
         log.close()
         worker = cls(proc, log.name, where)
-        worker._write({"engine": engine_kwargs})
+        worker._write({"engine": engine_kwargs, "paths": import_roots()})
         first = _read_with_timeout(proc.stdout, _START_TIMEOUT_S)
         if not first or first[0] != "ready":
             message = first[2] if first and first[0] == "error" else "the worker exited"
@@ -133,6 +133,26 @@ class Worker:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def import_roots() -> list[str]:
+    """The directories the worker appends to its `sys.path` for kvflow's evicted requests
+    (`evict.py`): this process's own import path but the standard library (kvflow's source,
+    its plugins, editable installs, its environment's packages), so that an evictor's module
+    imports in the worker as it does here. Appended: vLLM's own packages (torch, transformers,
+    pydantic) stay first."""
+    import sys
+
+    base = str(Path(sys.base_prefix).resolve()) + "/"  # the interpreter's own installation: its standard library
+    roots = []
+    for entry in sys.path:
+        path = Path(entry).resolve() if entry else None
+        if path is None or not path.is_dir():
+            continue
+        if str(path).startswith(base) and path.name not in ("site-packages", "dist-packages"):
+            continue
+        roots.append(str(path))
+    return list(dict.fromkeys(roots))
 
 
 def _read_with_timeout(stream, timeout: float) -> Optional[Any]:

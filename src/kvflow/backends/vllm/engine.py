@@ -1,6 +1,7 @@
-"""`VLLMEngine`: kvflow's engine protocol over a vLLM worker (full-context proposers and scoring).
+"""`VLLMEngine`: kvflow's engine protocol over a vLLM worker (proposers, full-context or evicted, and scoring).
 
-A problem state is its token ids (prompt + committed steps). Each proposal sends one vLLM
+A full-context problem state is its token ids (prompt + committed steps); an evicted one is a
+snapshot in the worker (`evicted.py` here, `evict.py` there). Each proposal sends one vLLM
 request per candidate with the whole sequence as input; vLLM's prefix cache keeps the shared
 prefix in whole KV blocks (128 tokens on a CPU), so a step costs little more than its new tokens
 (`stats()` counts the cached prompt tokens). Candidates stream back token by token; kvflow applies
@@ -30,6 +31,7 @@ from typing import Any, Optional, Sequence
 
 from kvflow.backends.streamed import TOP_K, Row, Running, StreamedRows
 from kvflow.backends.vllm.client import EngineError, Worker
+from kvflow.backends.vllm.evicted import EvictedState, EvictedStates
 from kvflow.components.engine import Proposal, ProposeRequest, StartRequest, SyncRequest, row_seed
 from kvflow.timing import NULL_CLOCK
 
@@ -41,12 +43,12 @@ class VLLMState:
     ids: list[int]  # prompt + committed tokens
 
 
-class VLLMEngine(StreamedRows):
+class VLLMEngine(EvictedStates, StreamedRows):
     """One model served by a vLLM worker process (see the module docstring)."""
 
     backend = "vllm"
     protocol = "0.2"  # engine protocol (kvflow.components.engine.PROTOCOL_VERSION): fills confidences
-    evicts = False  # full-context proposers only, for now (docs/backends.md, "vllm")
+    evicts = True  # evicted proposers through kvflow's worker hooks (evict.py; docs/backends.md, "vllm")
     exact_entropy = False  # estimated from the top-k logprobs (entropy_estimate)
     streams = True  # decoding runs in the worker process: step() reads what arrived
 
@@ -65,7 +67,9 @@ class VLLMEngine(StreamedRows):
         self.forwards = 0  # step() calls that received tokens (vLLM batches on its own)
         self.rows_decoded = 0  # candidate rows that received tokens in them
         self.counters = {"prompt_tokens": 0, "cached_tokens": 0, "requests": 0, "tokens_used": 0,
-                         "tokens_after_stop": 0, "aborted": 0}
+                         "tokens_after_stop": 0, "aborted": 0, "ingest_requests": 0, "adopted": 0,
+                         "adopted_by_ingest": 0}
+        self._init_evicted()
 
     def settings(self) -> dict:
         """What this engine runs under, as vLLM resolved it on this machine (`manifest.json`)."""
@@ -91,6 +95,7 @@ class VLLMEngine(StreamedRows):
         self.running.clear()
         self._rows.clear()
         self._used.clear()
+        self._reset_evicted()
 
     # ------------------------------------------------------------------ text and shapes
 
@@ -104,7 +109,7 @@ class VLLMEngine(StreamedRows):
         """Wait until every candidate kvflow stopped has ended in the engine, so that `stats()`
         counts the tokens vLLM made after the stop; running proposals keep streaming meanwhile."""
         deadline = time.monotonic() + timeout
-        while self._used and time.monotonic() < deadline:
+        while (self._used or self._evicted_rids or self._ingests) and time.monotonic() < deadline:
             self._take(self.worker.poll(_POLL_S))
 
     def stats(self) -> dict:
@@ -116,24 +121,40 @@ class VLLMEngine(StreamedRows):
     # ------------------------------------------------------------------ states
 
     def start(self, requests: Sequence[StartRequest]) -> list:
+        out = []
         for r in requests:
-            if getattr(r.evictor, "bounded", True):
-                raise EngineError(f"evictor {type(r.evictor).__name__}: backend 'vllm' runs full-context proposers "
-                                  "only (evicted proposers on vLLM are not built yet); put this proposer's model on "
-                                  "backend 'hf' or 'sglang'")
-        return [VLLMState(self.encode(r.prompt)) for r in requests]
+            ids = self.encode(r.prompt)
+            if not getattr(r.evictor, "bounded", True):
+                out.append(VLLMState(ids))
+                continue
+            if getattr(r.evictor.params, "quantize", None):
+                raise EngineError("backend 'vllm' does not store quantized KV (evictor `quantize`); "
+                                  "put this proposer's model on backend 'hf'")
+            out.append(EvictedState(ids, None, 0, 0, r.evictor, r.rng_key, r.evictor.n_protected(len(ids) - 1)))
+        self._catch_up([s for s in out if isinstance(s, EvictedState)])
+        return out
 
     def sync(self, requests: Sequence[SyncRequest]) -> list:
         out = []
         for r in requests:
-            if r.own_index is not None:
+            if isinstance(r.state, EvictedState):
+                out.append(self._sync_evicted(r))
+            elif r.own_index is not None:
                 out.append(VLLMState(r.state.ids + list(r.proposal.candidates[r.own_index].token_ids)))
             else:
                 out.append(VLLMState(r.state.ids + self.encode(r.text)))
+        self._catch_up([s for s in out if isinstance(s, EvictedState)])
         return out
 
     def release(self, states: Sequence, proposals: Sequence[Proposal] = ()) -> None:
-        """A state is a token list (vLLM's prefix cache frees blocks on its own): nothing to free."""
+        """A full-context state is a token list (vLLM's prefix cache frees blocks on its own);
+        an evicted one is a snapshot in the worker, dropped with the next evicted request."""
+        for s in states:
+            if isinstance(s, EvictedState):
+                self._drop(s.snap)
+        for p in proposals:
+            for row in p.handle or ():
+                self._discard(row)
 
     # ------------------------------------------------------------------ proposals
 
@@ -145,7 +166,13 @@ class VLLMEngine(StreamedRows):
                   "stop_token_ids": sorted(self.eos_ids)}
         if spec.temperature > 0:
             params.update(top_p=spec.top_p, seed=row_seed(req.seed, i))
-        self.worker.send("generate", row.rid, req.state.ids, params)
+        state, evict = req.state, None
+        if isinstance(state, EvictedState):  # the whole sequence; its evicted part starts at the pending token
+            row.snap = "c-" + row.rid
+            self._owned.add(row.snap)
+            self._evicted_rids.add(row.rid)
+            evict = self._spec(state, rng_key=row_seed(state.rng_key, i), save_as=row.snap)
+        self.worker.send("generate", row.rid, state.ids, params, evict)
 
     def step(self, max_rows: Optional[int] = None) -> list[Proposal]:
         self._admit(max_rows)
@@ -158,7 +185,8 @@ class VLLMEngine(StreamedRows):
             if all(row.finish is not None for row in r.rows):
                 self.running.remove(r)
                 self.counters["tokens_used"] += sum(len(row.tokens) for row in r.rows)
-                done.append(Proposal(r.request, self._candidates(r)))
+                evicted = isinstance(r.request.state, EvictedState)
+                done.append(Proposal(r.request, self._candidates(r), handle=r.rows if evicted else None))
         return done
 
     def _take(self, replies) -> int:
@@ -187,6 +215,15 @@ class VLLMEngine(StreamedRows):
         if kind == "scored" or (kind == "error" and rid in self._scores):
             self._scores[rid] = msg
             return
+        if kind == "kept" or (kind == "error" and rid in self._kept):
+            self._kept[rid] = msg
+            return
+        if rid in self._ingests:
+            if kind in ("end", "error"):
+                self._ingests[rid] = msg
+            return
+        if kind in ("end", "error") and rid in self._evicted_rids:
+            self._evicted_end(rid, msg)
         owner = self._rows.get(rid)
         if owner is None:
             if kind == "end":  # a candidate kvflow stopped: what the engine made after the stop

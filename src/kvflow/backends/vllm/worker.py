@@ -3,18 +3,21 @@
     <vllm venv>/bin/python <this file>     # started by kvflow.backends.vllm.client
 
 It runs in vLLM's own environment (`scripts/install.sh vllm` makes `.venv-vllm`: vLLM's CPU
-build pins a torch that SGLang's cannot share), where kvflow is not installed: this file imports
-the standard library and vLLM only, and is run by its path. Everything that crosses the pipe is
-plain data (lists, numbers, strings).
+build pins a torch that SGLang's cannot share), where kvflow is not installed: this file is run
+by its path, and imports the standard library and vLLM, plus kvflow's evicted requests
+(`evict.py`) and evictors' modules from the import path of kvflow's process (the client sends
+it; appended to `sys.path`, so vLLM's own torch, transformers and pydantic win). Everything that crosses the pipe is plain data (lists, numbers, strings).
 
 The engine steps in this process's own loop: between two `LLMEngine.step()` calls it reads every
 request that arrived (new requests, aborts), and after each step it streams the new tokens, so
 kvflow's stop rules and pruners see every token and an aborted candidate stops within a step.
 
 Protocol (one JSON value per line; stdin -> requests, stdout -> replies; vLLM's own prints go to stderr):
-    -> {"engine": kwargs}                        first line: `EngineArgs(**kwargs)`
+    -> {"engine": kwargs, "paths": [dirs]}       first line: `EngineArgs(**kwargs)`, kvflow's import roots
     <- ["ready", info]                           info: vllm version, the settings vLLM resolved
-    -> ["generate", rid, input_ids, params]      params: `SamplingParams` fields (plain values)
+    -> ["generate", rid, input_ids, params, evict]  params: `SamplingParams` fields (plain values);
+                                                 evict: None, or an evicted request's spec (`evict.py`)
+    -> ["kept", rid, snapshot]                   <- ["kept", rid, {keys, values, compactions}]
     <- ["tokens", rid, ids, logprobs, top]       new tokens (deltas): each one's own logprob and its
                                                  top-k [[logprob, id], ...] (temperature 1: raw_logprobs)
     <- ["end", rid, finish, meta]                finish: "stop" | "length" | "abort"; meta: token counts
@@ -71,6 +74,16 @@ class _Serve:
         self.made: dict[str, int] = {}  # rid -> tokens streamed so far
         self.prompt: dict[str, tuple[int, int]] = {}  # rid -> (prompt tokens, start of the scored part)
         self.top_k: dict[str, int] = {}  # rid -> top log-probabilities asked per token
+        self.internal: dict[str, str] = {}  # rid -> vLLM's own id of an evicted request
+        self.evicting = None  # evict.RUNTIME where kvflow's paths were given, else None
+
+    def _admit_evicted(self, rid: str, spec: dict) -> None:
+        if self.evicting is None:
+            raise RuntimeError("this vLLM worker was started without kvflow's evicted requests")
+        why = self.evicting.refusal()
+        if why:
+            raise RuntimeError(why)
+        self.evicting.evictor(spec)  # imported and built before vLLM sees the request
 
     def handle(self, msg) -> bool:
         kind = msg[0]
@@ -79,11 +92,24 @@ class _Serve:
         rid = msg[1]
         try:
             if kind == "generate":
-                _, rid, ids, params = msg
+                _, rid, ids, params, evict = msg
+                if evict:
+                    self._admit_evicted(rid, evict)
                 sp = self.SamplingParams(**params, output_kind=self.DELTA, detokenize=False)
-                self.engine.add_request(rid, {"prompt_token_ids": ids}, sp)
+                internal = self.engine.add_request(rid, {"prompt_token_ids": ids}, sp)
+                if evict:
+                    self.internal[rid] = internal
+                    try:
+                        self.evicting.admit(internal, evict)
+                    except Exception:
+                        self.engine.abort_request([rid])
+                        self.internal.pop(rid)
+                        raise
                 self.kinds[rid], self.made[rid], self.prompt[rid] = "generate", 0, (len(ids), 0)
                 self.top_k[rid] = int(params.get("logprobs") or 0)
+            elif kind == "kept":
+                _, rid, snap = msg
+                _send(self.out, "kept", rid, self.evicting.kept(snap))
             elif kind == "score":
                 _, rid, ids, start = msg
                 # the whole sequence runs (vLLM reads no prefix cache for prompt logprobs)
@@ -100,6 +126,12 @@ class _Serve:
         return True
 
     def _end(self, rid: str, finish: str, cached: int) -> None:
+        if rid in self.internal:
+            error = self.evicting.end(self.internal.pop(rid))
+            if error:
+                self.kinds.pop(rid)
+                _send(self.out, "error", rid, error)
+                return
         kind = self.kinds.pop(rid)
         self.top_k.pop(rid, None)
         n_prompt, _ = self.prompt.pop(rid)
@@ -132,6 +164,11 @@ class _Serve:
             except Exception as exc:  # noqa: BLE001
                 self.kinds.pop(rid, None)
                 _send(self.out, "error", rid, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}")
+        for rid, internal in list(self.internal.items()):  # an evicted request vLLM ran in a way kvflow cannot follow
+            live = self.evicting.live.get(internal)
+            if live is not None and live.error and rid in self.kinds:
+                self.engine.abort_request([rid])
+                self._end(rid, "abort", 0)
 
     def _scored(self, rid: str, out) -> None:
         if not out.finished:
@@ -167,20 +204,32 @@ def main() -> int:
     first = sys.stdin.readline()
     if not first.strip():
         return 2
-    kwargs = json.loads(first)["engine"]
+    hello = json.loads(first)
+    kwargs = hello["engine"]
     try:
         import vllm
         from vllm import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
+        evicting = None
+        if hello.get("paths"):
+            sys.path.extend(p for p in hello["paths"] if p not in sys.path)
+            from kvflow.backends.vllm import evict
+
+            evict.register()
+            evicting = evict.RUNTIME
         engine = LLMEngine.from_engine_args(EngineArgs(**kwargs))
+        if evicting is not None:
+            evicting.install(engine)
     except BaseException as exc:  # noqa: BLE001 - the client shows it, naming the model entry
         _send(out, "error", None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}")
         return 1
     _send(out, "ready", {"version": vllm.__version__, "settings": resolved_settings(engine)})
     inbox: queue.Queue = queue.Queue()
     threading.Thread(target=_read, args=(sys.stdin, inbox), daemon=True).start()
-    _Serve(engine, out).serve(inbox)
+    serve = _Serve(engine, out)
+    serve.evicting = evicting
+    serve.serve(inbox)
     return 0
 
 
