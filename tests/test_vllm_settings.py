@@ -1,7 +1,8 @@
 """The `vllm` backend's refusals, said before any engine starts (no vLLM needed: the quick tier):
-what it does not run yet (evicted proposers, the PRM), the engine settings kvflow sets or depends
-on, and a missing vLLM environment, each with exit code 2 naming the field, nothing written.
-The engine itself is tested in tests/test_vllm.py and tests/test_engine_contract.py."""
+what it does not run yet (evicted proposers off a CPU, with graphs or quantized KV; the PRM), the
+engine settings kvflow sets or depends on, and a missing vLLM environment, each with exit code 2
+naming the field, nothing written. The engine itself is tested in tests/test_vllm.py,
+tests/test_vllm_evicted.py and tests/test_engine_contract.py."""
 
 from __future__ import annotations
 
@@ -14,12 +15,25 @@ def _on_vllm(tmp_path, *keys: str, engine=None, **kw):
     return tiny_pipeline(tmp_path, problems=1, extra={"models": models}, **kw)
 
 
-def test_an_evicted_proposer_on_vllm_is_refused_at_validation(tmp_path, cli):
+def test_an_evicted_proposer_on_vllm_validates_on_a_cpu(tmp_path, cli):
     path = _on_vllm(tmp_path, "base", evictor={"kind": "rkv", "budget": 16, "buffer": 8, "window": 4})
     result = cli("validate", path)
-    assert result.exit_code == 2, result.output
-    assert "proposers.base.evictor" in result.output and "backend 'vllm'" in result.output, result.output
-    assert "full-context proposers only" in result.output and "Traceback" not in result.output
+    assert result.exit_code == 0, result.output
+
+
+def test_an_evicted_proposer_on_vllm_is_refused_where_it_cannot_run(tmp_path, cli):
+    rkv = {"kind": "rkv", "budget": 16, "buffer": 8, "window": 4}
+    cases = [({"device": "cuda"}, rkv, "models.base.device", "on a CPU only"),
+             ({"engine": {"enforce_eager": False}}, rkv, "models.base.engine.enforce_eager", "run eagerly"),
+             ({}, {"kind": "breadthkv", "budget": 64, "buffer": 32, "window": 4}, "proposers.base.evictor.quantize",
+              "quantized KV")]
+    for i, (entry, evictor, where, words) in enumerate(cases):
+        path = tiny_pipeline(tmp_path / str(i), problems=1, evictor=evictor,
+                             extra={"models": {"base": {"backend": "vllm", **entry}}})
+        result = cli("validate", path)
+        assert result.exit_code == 2, (where, result.output)
+        assert where in result.output and words in result.output, result.output
+        assert "Traceback" not in result.output
 
 
 def test_a_prm_on_vllm_is_refused_at_validation(tmp_path, cli):

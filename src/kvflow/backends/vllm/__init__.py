@@ -1,17 +1,19 @@
-"""The `vllm` backend: full-context proposers and `likelihood` scoring served by vLLM's engine,
-in vLLM's own environment.
+"""The `vllm` backend: proposers (full-context, and evicted on a CPU) and `likelihood` scoring
+served by vLLM's engine, in vLLM's own environment.
 
 - `engine.py`   the kvflow engine protocol over a vLLM worker (`VLLMEngine`);
 - `worker.py`   the worker process that owns vLLM's `LLMEngine`, run by vLLM's interpreter
-                (standard library and vLLM only: kvflow is not installed there);
+                (kvflow is not installed there: it is imported from kvflow's import path);
+- `evict.py`    evicted requests inside the worker (kvflow's budgeted cache beside vLLM's);
+- `evicted.py`  evicted problem states on kvflow's side (snapshots in the worker);
 - `client.py`   starting and talking to workers, one per set of engine arguments;
 - `settings.py` vLLM's interpreter (`KVFLOW_VLLM_PYTHON`, else `.venv-vllm`), the engine
                 arguments of a model entry, and the settings kvflow refuses;
 - `loading.py`  an engine for a model entry.
 
-Not built yet, and refused before anything loads: evicted proposers (`evicts = False`) and the
-`prm` / `llm_judge` scorers (they name the backends they run on). Install: `scripts/install.sh
-vllm` (docs/backends.md, "vllm").
+Not built yet, and refused before anything loads: evicted proposers on a GPU or with graphs
+(`check_evictor`), quantized KV, and the `prm` / `llm_judge` scorers (they name the backends
+they run on). Install: `scripts/install.sh vllm` (docs/backends.md, "vllm").
 """
 
 from __future__ import annotations
@@ -26,14 +28,22 @@ __all__ = ["VLLMBackend", "SUPPORTED_VERSIONS"]
 class VLLMBackend:
     """vLLM's engine in a worker process started with vLLM's own interpreter.
 
-    Registered as backend `vllm`; `load()` returns a `VLLMEngine`. Runs full-context proposers
-    and the scorers that need prompt log-probabilities (`likelihood`)."""
+    Registered as backend `vllm`; `load()` returns a `VLLMEngine`. Runs proposers (evicted ones
+    on a CPU, through `evict.py`) and the scorers that need prompt log-probabilities (`likelihood`)."""
 
     name = "vllm"
     evicts = True  # evicted proposers run through kvflow's hooks in the worker (evict.py)
     #: the tiny model kvflow's contract suites run it on (kvflow.testing.engine_parity.contract_arch):
     #: vLLM's CPU attention serves head_dim 32 and up, not the 16 of the default tiny Qwen2
     contract_arch = "qwen2-hd32"
+
+    @staticmethod
+    def check_evictor(model_cfg, params, evictor_cls=None) -> Optional[tuple[str, str]]:
+        """None if an evicted proposer with these evictor params can run on this model entry,
+        else (field, sentence): `params.<name>` of the evictor, or `engine.<name>` / `device` of the model."""
+        from kvflow.backends.vllm.settings import check_evicting
+
+        return check_evicting(model_cfg, params)
 
     @staticmethod
     def check(model_cfg) -> Optional[Any]:

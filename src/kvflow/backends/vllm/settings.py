@@ -111,6 +111,24 @@ def check_settings(model_cfg) -> Optional[tuple[str, str]]:
     return refusal(model_cfg.engine or {})
 
 
+def check_evicting(model_cfg, params) -> Optional[tuple[str, str]]:
+    """(field, sentence) where an evicted proposer cannot run on this model entry, else None:
+    kvflow's evicted attention replaces vLLM's CPU attention backend and runs eagerly in Python
+    (`evict.py`), so a GPU (another attention backend, CUDA graphs) and graphs are refused, and so
+    is quantized KV storage (hf only)."""
+    if getattr(params, "quantize", None):
+        return ("params.quantize", "backend 'vllm' does not store quantized KV (evictor `quantize`); put this "
+                                   "proposer's model on backend 'hf', or set `quantize: null`")
+    if model_cfg.device not in ("cpu", "auto"):  # `auto` on a GPU: the worker refuses the first evicted request
+        return ("device", f"evicted proposers on backend 'vllm' run on a CPU only for now (kvflow's evicted attention "
+                          f"replaces vLLM's CPU attention backend), not on {model_cfg.device!r}: put this proposer's "
+                          "model on backend 'sglang' or 'hf'")
+    if (model_cfg.engine or {}).get("enforce_eager") is False:
+        return ("engine.enforce_eager", "evicted proposers on backend 'vllm' run eagerly (a captured graph would "
+                                        "replay the model past kvflow's evicted attention): remove `enforce_eager: false`")
+    return None
+
+
 def check_model(model_cfg) -> Optional[str]:
     from kvflow.models.loading import check_available, resolve_source
 
