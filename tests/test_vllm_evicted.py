@@ -1,0 +1,104 @@
+"""Evicted proposers on the `vllm` backend where vLLM's prefix cache meets them (`evict.py`).
+
+The engine contract (tests/test_engine_contract.py: a budget above the sequence equals plain
+greedy `generate`, adopt, ingest, fork) and the evictor contract's engine axis
+(tests/test_evictor_contract.py: the same greedy steps, log-probabilities and kept keys as `hf`
+for every registered evictor) run on vLLM too. Here: the two places where an evicted request and
+vLLM's prefix cache share blocks, on a prompt longer than one KV block (128 tokens on a CPU):
+- a full-context request after an evicted one over the same tokens reads only full-context
+  keys from the cache (the evicted request's blocks past its stand-ins are never cached);
+- an evicted state whose ingestion crosses a block a full-context request cached does not take
+  a cache hit past its evicted part (the evicted cache sees every token), and decodes as on `hf`.
+
+Every test shares the vLLM worker of tests/test_vllm.py (`load_engine("vllm")`, one per process).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import require_vllm
+from kvflow.components.engine import ProposeRequest, SamplingSpec, StartRequest
+from kvflow.registry import get_registry
+from kvflow.testing.engine_contract import full_cache, run_to_end
+from kvflow.testing.engine_parity import NEVER, QUESTION, backend_model_dir, load_engine
+
+BLOCK = 128  # vLLM's KV block on a CPU
+
+
+@pytest.fixture(scope="module")
+def vllm_engine():
+    require_vllm()
+    engine = load_engine("vllm")
+    assert engine.worker.info["settings"]["block_size"] == BLOCK
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def hf_engine():
+    return load_engine("hf", backend_model_dir("vllm"))
+
+
+def _long_prompt(engine) -> str:
+    """A chat prompt of more than one KV block."""
+    questions = " ".join(f"({i}) {QUESTION}" for i in range(5))
+    text = engine.tokenizer.apply_chat_template([{"role": "user", "content": questions}], tokenize=False,
+                                                add_generation_prompt=True)
+    assert BLOCK + 16 < len(engine.encode(text)) < 2 * BLOCK
+    return text
+
+
+def _rkv(buffer: int = 8):
+    cls = get_registry().get("evictors", "rkv")
+    return cls(cls.Params(budget=16, buffer=buffer, window=4))
+
+
+def _greedy(engine, state, tokens: int):
+    (p,) = run_to_end(engine, [ProposeRequest(state, "base", SamplingSpec(1, 0.0, 1.0, tokens, NEVER), 0, 400)])
+    return p.candidates[0]
+
+
+def test_a_full_context_request_after_an_evicted_one_reads_no_evicted_block(vllm_engine, hf_engine):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvflow.backends.vllm.engine import VLLMState
+
+    prompt = _long_prompt(vllm_engine)
+    (state,) = vllm_engine.start([StartRequest(prompt, _rkv(), 3)])
+    # the candidate's tokens fill the prompt's second block: vLLM's kernel wrote its own keys there
+    evicted = _greedy(vllm_engine, state, 2 * BLOCK - len(state.ids) + 8)
+    vllm_engine.release([state])
+    ids = state.ids + list(evicted.token_ids)
+    assert len(ids) > 2 * BLOCK
+    got = _greedy(vllm_engine, VLLMState(ids), 12)
+    model = AutoModelForCausalLM.from_pretrained(backend_model_dir("vllm"), dtype=torch.float32)
+    want = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, output_scores=True,
+                          return_dict_in_generate=True)
+    assert got.token_ids == want.sequences[0, len(ids):].tolist()
+    logprobs = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(want.scores, got.token_ids)]
+    assert max(abs(a - b) for a, b in zip(got.logprobs, logprobs)) < 1e-4
+
+
+def test_an_evicted_ingest_takes_no_cache_hit_past_its_evicted_part(vllm_engine, hf_engine):
+    prompt = _long_prompt(vllm_engine)
+    # a full-context request caches the prompt's first block ...
+    (full,) = vllm_engine.start([StartRequest(prompt, full_cache(), 0)])
+    _greedy(vllm_engine, full, 4)
+    # ... which the evicted state's ingestion (chunks of `buffer` tokens from 22 on: 22, 28, ...,
+    # 124, 130) crosses in one request, whose evicted part starts before the block's end
+    evictor = _rkv(buffer=6)
+    got = {}
+    for engine in (hf_engine, vllm_engine):
+        (state,) = engine.start([StartRequest(prompt, evictor, 5)])
+        cand = _greedy(engine, state, 20)
+        got[engine.backend] = (cand.token_ids, cand.logprobs, engine.kept_kv(state))
+        engine.release([state])
+    assert got["vllm"][0] == got["hf"][0]
+    assert max(abs(a - b) for a, b in zip(got["vllm"][1], got["hf"][1])) < 1e-4
+    (keys_v, _, compactions_v), (keys_h, _, compactions_h) = got["vllm"][2], got["hf"][2]
+    assert compactions_v == compactions_h > 0
+    for layer_v, layer_h in zip(keys_v, keys_h):
+        for head_v, head_h in zip(layer_v, layer_h):
+            assert (head_v - head_h).abs().max() < 1e-4
