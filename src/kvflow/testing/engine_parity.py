@@ -15,6 +15,15 @@ candidate's tokens and finish, log-probabilities within 1e-4, and the final stat
 and values per (layer, KV head) and its compaction count (`engine.kept_kv(state)`: keys[l][h]
 in time order, so budgets that vary by layer or head compare too, whatever each engine's
 layout).
+
+Ties that hold only in exact arithmetic (docs/components.md, "Ties": the key norms of one token
+at two positions) are broken by rounding, and another engine's kernels round differently (vLLM's
+fused QKV projection and rotary kernel): from such a compaction on, the two engines may keep
+different tokens, and nothing after it is compared. A difference is accepted only where `hf`'s
+own run met such a near-tie (a kept score above an evicted one of a (layer, head) by at most
+`NEAR_TIE` of their magnitude, `Evictor.ranked_scores`; equal scores, such as max pooling's
+plateaus, are equal on every engine and are not near-ties) at a compaction no later than the
+step that differs; any other difference fails.
 """
 
 from __future__ import annotations
@@ -73,9 +82,10 @@ def chat_prompt(engine) -> str:
                                                 add_generation_prompt=True)
 
 
-def greedy_steps(engine, evictor, *, rng_key: int = 7, n_steps: int = 4, max_step_tokens: int = 30):
+def greedy_steps(engine, evictor, *, rng_key: int = 7, n_steps: int = 4, max_step_tokens: int = 30,
+                 on_step=None):
     """The scenario of the module docstring. Returns ([per step: [(tokens, finish, logprobs)]],
-    the final state)."""
+    the final state). `on_step()` is called after each step's proposal."""
     from kvflow.components.engine import ProposeRequest, SamplingSpec, StartRequest, SyncRequest
     from kvflow.testing.engine_contract import run_to_end
 
@@ -85,8 +95,71 @@ def greedy_steps(engine, evictor, *, rng_key: int = 7, n_steps: int = 4, max_ste
     for k in range(n_steps):
         (p,) = run_to_end(engine, [ProposeRequest(state, "base", spec, k, 400)])
         steps.append([(c.token_ids, c.finish, c.logprobs) for c in p.candidates])
+        if on_step is not None:
+            on_step()
         (state,) = engine.sync([SyncRequest(state, p, k if k < 2 else None, p.candidates[0].text)])
     return steps, state
+
+
+#: relative gap between the lowest kept and the highest evicted score of a (layer, KV head) at
+#: or under which a compaction is a near-tie another engine's rounding may break the other way
+NEAR_TIE = 1e-6
+
+
+def _recording(evictor):
+    """A copy of `evictor` whose select() calls record each row's smallest margin between kept
+    and evicted scores, relative to its largest score: (the copy, the list of margins)."""
+    import torch
+
+    from kvflow.testing.evictor_decode import row_record, scores_of
+
+    margins: list[float] = []
+    base = type(evictor)
+
+    class Recording(base):
+        def select(self, keys, values, queries, **kw):
+            states = [g.get_state() for g in kw.get("generators") or []]
+            keep = super().select(keys, values, queries, **kw)
+            record = {"keys": keys, "values": values, "queries": queries, "gen_states": states, "keep": keep,
+                      **{k: v for k, v in kw.items() if k != "generators"}}
+            for i in range(keys.shape[0]):
+                scores, valid = scores_of(evictor, row_record(record, i))
+                kept = torch.zeros_like(valid)
+                idx = keep[i]
+                kept.scatter_(1, idx.clamp(min=0).long(), idx >= 0)
+                margin = float("inf")
+                for h in range(scores.shape[0]):
+                    a, b = scores[h][valid[h] & kept[h]], scores[h][valid[h] & ~kept[h]]
+                    if len(a) and len(b):
+                        margin = min(margin, _fragile_gap(a, b))
+                margins.append(margin)
+            return keep
+
+    Recording.__name__ = Recording.__qualname__ = base.__name__
+    copy = Recording.__new__(Recording)
+    copy.__dict__.update(evictor.__dict__)
+    return copy, margins
+
+
+def _fragile_gap(kept, evicted) -> float:
+    """The smallest positive difference between a kept and an evicted score, relative to the
+    larger of the two (inf: none). Equal
+    scores are not fragile: a plateau (max pooling) is equal on every engine, and the earlier
+    slot wins it; nor are scores that differ only below float32's smallest normal number
+    (underflowed probabilities); a kept score just above an evicted one is, for rounding can swap them."""
+    import torch
+
+    tiny = torch.finfo(torch.float32).tiny  # differences below it are underflow (exp of very negative logits): equal
+    top = float(evicted.max())
+    above = kept[kept - top > tiny]
+    low = float(kept.min())
+    below = evicted[low - evicted > tiny]
+
+    def relative(a: float, b: float) -> float:  # rounding noise scales with the two scores themselves
+        return (a - b) / max(abs(a), abs(b))
+
+    return min(relative(float(above.min()), top) if len(above) else float("inf"),
+               relative(low, float(below.max())) if len(below) else float("inf"))
 
 
 def assert_same_as_hf(backend: str, evictor: Any, tmp_dir: Path | None = None) -> None:
@@ -97,20 +170,32 @@ def assert_same_as_hf(backend: str, evictor: Any, tmp_dir: Path | None = None) -
     reference, other = load_engine("hf", backend_model_dir(backend)), load_engine(backend)
     if hasattr(other, "dump_dir"):  # the engine keeps its states elsewhere: have them saved for kept_kv
         other.dump_dir = str(tmp_dir or tempfile.mkdtemp(prefix="kvflow-parity-kv-"))
+    recording, margins = _recording(evictor)
+    marks: list[int] = []  # compactions hf had made by the end of each step's proposal
     try:
-        want, want_state = greedy_steps(reference, evictor)
+        want, want_state = greedy_steps(reference, recording, on_step=lambda: marks.append(len(margins)))
         got, got_state = greedy_steps(other, evictor)
+        near_tie = [any(m <= NEAR_TIE for m in margins[:end]) for end in marks]
         for k, (a, b) in enumerate(zip(want, got)):
+            same = [(t, f) for t, f, _ in b] == [(t, f) for t, f, _ in a] and all(
+                max((abs(u - v) for u, v in zip(x[2], y[2])), default=0.0) < 1e-4 for x, y in zip(a, b))
+            if same:
+                continue
+            if near_tie[k]:
+                return  # a near-tie of hf's run was broken the other way: nothing after it is compared
             assert [(t, f) for t, f, _ in b] == [(t, f) for t, f, _ in a], f"step {k}: tokens differ from hf's"
-            for lp_a, lp_b in ((x[2], y[2]) for x, y in zip(a, b)):
-                assert max((abs(u - v) for u, v in zip(lp_a, lp_b)), default=0.0) < 1e-4, \
-                    f"step {k}: log-probabilities differ from hf's"
+            raise AssertionError(f"step {k}: log-probabilities differ from hf's")
         keys_a, values_a, compactions_a = reference.kept_kv(want_state)
         keys_b, values_b, compactions_b = other.kept_kv(got_state)
         assert compactions_a > 0, "the scenario never compacted: nothing was compared"
         assert compactions_b == compactions_a, f"compactions: {compactions_b} on {backend}, {compactions_a} on hf"
-        torch.testing.assert_close(keys_b, keys_a, atol=1e-4, rtol=1e-4, msg=lambda m: f"kept keys differ: {m}")
-        torch.testing.assert_close(values_b, values_a, atol=1e-4, rtol=1e-4, msg=lambda m: f"kept values differ: {m}")
+        try:
+            torch.testing.assert_close(keys_b, keys_a, atol=1e-4, rtol=1e-4, msg=lambda m: f"kept keys differ: {m}")
+            torch.testing.assert_close(values_b, values_a, atol=1e-4, rtol=1e-4,
+                                       msg=lambda m: f"kept values differ: {m}")
+        except AssertionError:
+            if not (near_tie and near_tie[-1]):
+                raise
         other.release([got_state])
     finally:
         if hasattr(other, "dump_dir"):

@@ -47,9 +47,11 @@ What is checked, for bounded evictors (for `bounded = False` ones only what appl
   exact arithmetic are no fault of the evictor; docs/components.md, "Ties"); forking and
   joining rows carries their state;
 - float32 and bfloat16 decoding with compactions stays finite;
-- every engine: on each registered backend that evicts (SGLang through kvflow's plugin), the
-  same greedy steps, log-probabilities and kept keys per (layer, KV head) as on `hf`
-  (`kvflow.testing.engine_parity`; skipped where the backend is not installed);
+- every engine: on each registered backend that evicts (SGLang through kvflow's plugin, vLLM
+  through kvflow's worker hooks), the same greedy steps, log-probabilities and kept keys per
+  (layer, KV head) as on `hf`, up to a near-tie of `hf`'s own scores that the other engine's
+  rounding may break the other way (`kvflow.testing.engine_parity`; skipped where the backend
+  is not installed);
 - the checks of `kvflow.testing.component_contract` (frozen, described Params; docstrings).
 
 The decoding it runs (greedy, traced, every `select()` recorded) and the comparison of a
