@@ -1,5 +1,5 @@
 """Every catalog checkpoint decodes the same greedy tokens on `hf` and `sglang` (issue 34, 6),
-and on `hf` and `vllm` (issue 41).
+and on `hf` and `vllm` (issue 41), on vLLM with an evicting cache too (R-KV, several compactions).
 
 The catalog's GGUF files are converted once into transformers directories
 (`kvflow.models.loading`), which both engines read. A tied output embedding used to be saved
@@ -78,34 +78,36 @@ def _sized(limit: int) -> list:
     return [entry(n) for n in sorted(CATALOG, key=lambda n: CATALOG[n].size or 0)]
 
 
-def _assert_decodes_as_on_hf(name: str, backend: str, engine_settings: dict) -> None:
+def _assert_decodes_as_on_hf(name: str, backend: str, engine_settings: dict, evicted: bool = False) -> None:
     """Greedy tokens of catalog checkpoint `name` on `backend` (its engine loaded after hf's copy
     is freed: the 1.5B is 6 GB in float32) equal hf's, and say something (not one token over and
-    over: SGLang's noise was EOS forever)."""
+    over: SGLang's noise was EOS forever); `evicted`: with R-KV at a budget of 16 + 8 too."""
     from kvflow.backends.hf import HFBackend
     from kvflow.config.schema import ModelConfig
     from kvflow.models.loading import clear_model_cache
     from kvflow.registry import get_registry
 
     _pulled(name)
-    none = get_registry().get("evictors", "none")
-    full = none(none.Params())
+    none, rkv = get_registry().get("evictors", "none"), get_registry().get("evictors", "rkv")
+    caches = [none(none.Params())] + ([rkv(rkv.Params(budget=16, buffer=8, window=4))] if evicted else [])
     hf = HFBackend.load(ModelConfig(id=f"catalog:{name}", dtype="float32", device="cpu"))
-    want = _greedy(hf, full)
+    want = [_greedy(hf, cache) for cache in caches]
     del hf
     clear_model_cache()
     gc.collect()
     loader = get_registry().get("backends", backend)
     other = load_engine(loader, ModelConfig(backend=backend, id=f"catalog:{name}", dtype="float32", device="cpu",
-                                            engine=engine_settings), evicting=False)
+                                            engine=engine_settings), evicting=evicted)
     try:
-        got = _greedy(other, full)
+        got = [_greedy(other, cache) for cache in caches]
         tok = other.tokenizer
     finally:
         other.worker.close()
-    texts = [(tok.decode(w), tok.decode(g)) for w, g in zip(want, got)]
-    assert len({t for w in want for t in w}) > 10, texts
-    assert got == want, "\n".join(f"hf:   {w!r}\n{backend}: {g!r}" for w, g in texts)
+    for cache, want_c, got_c in zip(caches, want, got):
+        texts = [(tok.decode(w), tok.decode(g)) for w, g in zip(want_c, got_c)]
+        assert len({t for w in want_c for t in w}) > 10, texts
+        assert got_c == want_c, f"{type(cache).__name__}:\n" + "\n".join(f"hf:   {w!r}\n{backend}: {g!r}"
+                                                                       for w, g in texts)
 
 
 @pytest.mark.e2e
@@ -124,7 +126,7 @@ def test_catalog_checkpoints_greedy_decode_the_same_on_hf_and_vllm(name):
 
     require_vllm()
     # a small KV cache and context: CI's memory
-    _assert_decodes_as_on_hf(name, "vllm", {"kv_cache_memory_bytes": 1 << 28, "max_model_len": 1024})
+    _assert_decodes_as_on_hf(name, "vllm", {"kv_cache_memory_bytes": 1 << 28, "max_model_len": 1024}, evicted=True)
 
 
 @pytest.mark.e2e
