@@ -97,3 +97,18 @@ def test_explain_says_how_vllm_serves_the_model(tmp_path, cli):
     assert result.exit_code == 0, result.output
     assert "models helper [vllm]: helper" in result.output and "scorer likelihood" in result.output
     assert "vLLM in a worker process" in result.output and "logprobs_mode=raw_logprobs" in result.output
+
+
+def test_the_worker_says_why_an_engine_cannot_run_evicted_requests():
+    """What the vLLM worker answers an evicted request on an engine kvflow's hooks do not cover
+    (`evict.Runtime.refusal`): another attention backend than CPU_ATTN (a GPU), or graphs."""
+    from kvflow.backends.vllm.evict import Runtime
+
+    runtime = Runtime()
+    assert "hooks were not installed" in runtime.refusal()
+    runtime.runner = object()
+    assert "other than CPU_ATTN" in runtime.refusal()
+    runtime.hooked = True
+    assert "enforce_eager" in runtime.refusal()
+    runtime.eager = True
+    assert runtime.refusal() is None
