@@ -21,7 +21,7 @@ from conftest import require_vllm
 from kvflow.components.engine import ProposeRequest, SamplingSpec, StartRequest
 from kvflow.registry import get_registry
 from kvflow.testing.engine_contract import full_cache, run_to_end
-from kvflow.testing.engine_parity import NEVER, QUESTION, backend_model_dir, load_engine
+from kvflow.testing.engine_parity import NEVER, QUESTION, backend_model_dir, chat_prompt, load_engine
 
 BLOCK = 128  # vLLM's KV block on a CPU
 
@@ -102,3 +102,32 @@ def test_an_evicted_ingest_takes_no_cache_hit_past_its_evicted_part(vllm_engine,
     for layer_v, layer_h in zip(keys_v, keys_h):
         for head_v, head_h in zip(layer_v, layer_h):
             assert (head_v - head_h).abs().max() < 1e-4
+
+
+def test_an_evicted_request_vllm_preempts_decodes_as_on_hf(hf_engine):
+    """A KV cache of 4 usable blocks for 4 candidates of 2 blocks each: vLLM preempts some and recomputes
+    their tokens later, as stand-ins (their budgeted caches, outside vLLM's blocks, hold them
+    already); every candidate still decodes as on `hf`."""
+    from kvflow.config.schema import ModelConfig
+
+    require_vllm()
+    layers, kv_heads, head_dim, elem = hf_engine.kv_shape()
+    # 5 blocks: vLLM keeps one for itself, and must fit one request of max_model_len
+    tight = {"kv_cache_memory_bytes": 5 * BLOCK * 2 * layers * kv_heads * head_dim * elem, "max_model_len": 4 * BLOCK}
+    loader = get_registry().get("backends", "vllm")
+    engine = loader.load(ModelConfig(backend="vllm", id=str(backend_model_dir("vllm")), dtype="float32",
+                                     device="cpu", engine=tight))
+    try:
+        spec = SamplingSpec(4, 0.0, 1.0, BLOCK + 64, NEVER)
+        got = {}
+        for e in (hf_engine, engine):
+            (state,) = e.start([StartRequest(chat_prompt(e), _rkv(), 9)])
+            (p,) = run_to_end(e, [ProposeRequest(state, "base", spec, 0, 400)])
+            got[e.backend] = [(c.token_ids, c.logprobs) for c in p.candidates]
+            e.release([state], [p])
+        assert engine.stats()["evicted_recomputes"] > 0, "vLLM preempted no candidate: the test tested nothing"
+    finally:
+        engine.worker.close()
+    for (tokens_h, lps_h), (tokens_v, lps_v) in zip(got["hf"], got["vllm"]):
+        assert tokens_v == tokens_h
+        assert max(abs(a - b) for a, b in zip(lps_v, lps_h)) < 1e-4

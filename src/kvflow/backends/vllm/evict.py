@@ -64,6 +64,7 @@ class Live:
     next: int  # logical position of the next token the cache takes
     save_as: Optional[str]
     error: Optional[str] = None
+    recomputes: int = 0  # forwards that ran tokens it had already taken again (vLLM preempted it: recompute)
 
 
 class _Module:
@@ -135,15 +136,13 @@ class Runtime:
                                       f"its evicted part at {spec['first']}")
         self.live[rid] = Live(cache, int(spec["first"]), int(spec["first"]), spec.get("save_as"))
 
-    def end(self, rid: str) -> Optional[str]:
-        """The request ended (finished or aborted): keep its cache as its snapshot. Returns
-        the error its forwards met, if any."""
+    def end(self, rid: str) -> Optional[Live]:
+        """The request ended (finished or aborted): keep its cache as its snapshot. Returns its
+        state (`error`: what its forwards met, if anything), or None for a request not evicted."""
         live = self.live.pop(rid, None)
-        if live is None:
-            return None
-        if live.save_as and live.error is None:
+        if live is not None and live.save_as and live.error is None:
             self.snapshots[live.save_as] = live.cache
-        return live.error
+        return live
 
     def kept(self, snap: str) -> dict:
         """A snapshot's resident keys and values per (layer, KV head), in time order (plain lists)."""
@@ -170,6 +169,9 @@ class Runtime:
                 continue
             q_len = qsl[i + 1] - qsl[i]
             start = seq_lens[i] - q_len  # logical position of the request's first token in this forward
+            if start < live.next and live.next > live.first:
+                # vLLM preempted it and recomputes its tokens (stand-ins now): its evicted cache holds them already
+                live.recomputes += 1
             if start + q_len <= live.next:
                 continue  # stand-ins only
             if start > live.next:

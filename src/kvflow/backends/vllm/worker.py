@@ -21,6 +21,7 @@ Protocol (one JSON value per line; stdin -> requests, stdout -> replies; vLLM's 
     <- ["tokens", rid, ids, logprobs, top]       new tokens (deltas): each one's own logprob and its
                                                  top-k [[logprob, id], ...] (temperature 1: raw_logprobs)
     <- ["end", rid, finish, meta]                finish: "stop" | "length" | "abort"; meta: token counts
+                                                 (an evicted request's: the forwards vLLM recomputed it in)
     -> ["score", rid, input_ids, start]          log-probabilities of input_ids[start:] (prompt logprobs)
     <- ["scored", rid, logprobs, meta]
     -> ["abort", rid]                            the request ends now with finish "abort"
@@ -126,16 +127,17 @@ class _Serve:
         return True
 
     def _end(self, rid: str, finish: str, cached: int) -> None:
-        if rid in self.internal:
-            error = self.evicting.end(self.internal.pop(rid))
-            if error:
-                self.kinds.pop(rid)
-                _send(self.out, "error", rid, error)
-                return
+        live = self.evicting.end(self.internal.pop(rid)) if rid in self.internal else None
+        if live is not None and live.error:
+            self.kinds.pop(rid)
+            _send(self.out, "error", rid, live.error)
+            return
         kind = self.kinds.pop(rid)
         self.top_k.pop(rid, None)
         n_prompt, _ = self.prompt.pop(rid)
         meta = {"prompt_tokens": n_prompt, "cached_tokens": cached, "completion_tokens": self.made.pop(rid)}
+        if live is not None:
+            meta["recomputes"] = live.recomputes
         if kind == "generate":
             _send(self.out, "end", rid, finish, meta)
 
