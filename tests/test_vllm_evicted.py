@@ -8,7 +8,8 @@ vLLM's prefix cache share blocks, on a prompt longer than one KV block (128 toke
 - a full-context request after an evicted one over the same tokens reads only full-context
   keys from the cache (the evicted request's blocks past its stand-ins are never cached);
 - an evicted state whose ingestion crosses a block a full-context request cached does not take
-  a cache hit past its evicted part (the evicted cache sees every token), and decodes as on `hf`.
+  a cache hit past its evicted part (the evicted cache sees every token), and decodes as on `hf`;
+- candidates vLLM preempts (a KV cache too small for all of them) and recomputes decode as on `hf`.
 
 Every test shares the vLLM worker of tests/test_vllm.py (`load_engine("vllm")`, one per process).
 """

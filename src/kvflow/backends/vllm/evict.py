@@ -27,6 +27,8 @@ Seams (no vLLM file is changed):
   (`register_backend`) by `EvictingBackend`, whose impl runs vLLM's kernel, then the evicted
   rows; layer 0 of a forward plans it (which requests, which tokens: vLLM's input batch and
   the attention metadata), the last layer ends it (`BudgetedCache.end_forward`: compaction);
+- preemption: a request vLLM preempts is recomputed from its first token later; tokens before
+  the budgeted cache's next position are stand-ins then (the cache holds them), so it goes on;
 - the KV cache manager (`install`, on the engine's scheduler): an evicted request's prefix
   cache hit stops at `first` (a later token must reach the evicted cache), and its blocks
   from `first` on are never cached (vLLM's kernel wrote its own, full-context-free, keys there).
@@ -176,7 +178,7 @@ class Runtime:
                 continue  # stand-ins only
             if start > live.next:
                 live.error = (f"vLLM skipped tokens {live.next}..{start - 1} of an evicted request (a prefix-cache "
-                              "hit or a preemption): its evicted cache cannot follow")
+                              "hit past its evicted part): its evicted cache cannot follow")
                 continue
             n = start + q_len - live.next
             if n > int(live.cache.room()[0]):
