@@ -102,24 +102,29 @@ def test_the_prefix_is_served_from_the_prefix_cache(vllm_engine):
 
 
 def test_kv_rescue_with_the_helper_on_vllm_commits_what_hf_commits(tmp_path, cli, vllm_engine):
-    """The same greedy KV-Rescue run (base evicted on hf, helper and likelihood scorer on the
-    helper's model) with the helper on hf and on vllm commits the same steps, from both sources."""
+    """The same greedy KV-Rescue run (base evicted, helper and likelihood scorer on the helper's
+    model; both models the one vLLM serves) with the helper on hf and on vllm, and with the
+    evicted base on vllm too, commits the same steps, from both sources."""
     from kvflow.backends.vllm.client import _SHARED
 
+    model = str(backend_model_dir("vllm"))
     runs = {}
-    for backend in ("hf", "vllm"):
-        extra = {"models": {"helper": {"backend": backend, "id": str(backend_model_dir("vllm"))}},
+    for backend, base in (("hf", "hf"), ("vllm", "hf"), ("vllm", "vllm")):
+        extra = {"models": {"helper": {"backend": backend, "id": model}, "base": {"backend": base, "id": model}},
                  "proposers": {"base": {"sampling": {"temperature": 0}}, "helper": {"sampling": {"temperature": 0}}},
                  "scorer": {"kind": "likelihood", "model": "helper"}}
-        path = tiny_pipeline(tmp_path, name=f"rescue_{backend}", problems=2, n=2, max_tokens=48, extra=extra)
+        name = f"rescue_{backend}_{base}"
+        path = tiny_pipeline(tmp_path, name=name, problems=2, n=2, max_tokens=48, extra=extra)
         workers = set(_SHARED)
         result = cli("run", path)
         assert result.exit_code == 0, result.output
         assert set(_SHARED) == workers, "the run started a vLLM worker of its own instead of sharing the running one"
-        (run_dir,) = [d for d in (tmp_path / "results").iterdir() if d.name.startswith(f"rescue_{backend}")]
-        runs[backend] = committed_steps(run_dir)
-    assert runs["vllm"] == runs["hf"]
-    assert any(src == "helper" for steps in runs["hf"].values() for _, src, _ in steps)
+        (run_dir,) = [d for d in (tmp_path / "results").iterdir() if d.name.startswith(name)]
+        runs[backend, base] = committed_steps(run_dir)
+    assert runs["vllm", "hf"] == runs["hf", "hf"]
+    assert runs["vllm", "vllm"] == runs["hf", "hf"]
+    assert any(src == "helper" for steps in runs["hf", "hf"].values() for _, src, _ in steps)
+    assert any(src == "base" for steps in runs["hf", "hf"].values() for _, src, _ in steps)
 
 
 def test_a_killed_worker_stops_the_engine_clearly_and_leaves_no_process(vllm_engine):
