@@ -88,9 +88,9 @@ class Runtime:
         self.snapshots: dict[str, BudgetedCache] = {}
         self.runner: Any = None  # vLLM's model runner (`install`)
         self.num_layers = 0
+        self.kv_heads = 0
         self.plan: list[tuple[Live, int, int]] = []  # this forward's evicted rows: (live, first token, end)
         self._evictors: dict[str, Any] = {}
-        self.compactions = 0
         self.hooked = False  # every attention layer runs `EvictingImpl` (vLLM picked CPU_ATTN)
         self.eager = False  # vLLM runs the model eagerly (no graph replays a forward past these hooks)
 
@@ -206,10 +206,8 @@ class Runtime:
             out[a:b] = attn[0].to(out.dtype)  # [n, q_heads, D]
         if layer_idx == self.num_layers - 1:
             for live, a, b in self.plan:
-                before = int(live.cache.rows.compactions[0])
-                live.cache.end_forward(torch.tensor([b - a]))
+                live.cache.end_forward(torch.tensor([b - a]))  # compacts at budget + buffer, as on hf
                 live.next += b - a
-                self.compactions += int(live.cache.rows.compactions[0]) - before
             self.plan = []
 
     # ------------------------------------------------------------------ engine hooks
