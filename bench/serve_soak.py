@@ -79,7 +79,8 @@ def snapshot(proc, prefix: Path, k) -> tracemalloc.Snapshot:
     raise RuntimeError(f"no tracemalloc snapshot at {path}")
 
 
-def soak(pipeline: Path, requests: int, traced: bool, frames: int, workdir: Path) -> dict:
+def soak(pipeline: Path, requests: int, traced: bool, frames: int, workdir: Path, env: dict | None = None,
+         samples_n: int = 10) -> dict:
     import httpx
 
     from kvflow.testing.pipelines import PROBLEMS
@@ -90,7 +91,8 @@ def soak(pipeline: Path, requests: int, traced: bool, frames: int, workdir: Path
     cmd = ([sys.executable, "-c", WRAPPER, str(frames), str(prefix)] if traced
            else [sys.executable, "-c", "from kvflow.cli import main; main()"])
     log = open(workdir / f"serve-{port}.log", "w")
-    proc = subprocess.Popen([*cmd, "serve", str(pipeline), "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([*cmd, "serve", str(pipeline), "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, **(env or {})})
     messages = [[{"role": "user", "content": f"{q} (variant {i})"}] for i, (q, _) in enumerate(PROBLEMS)]
     try:
         for _ in range(1200):
@@ -115,7 +117,7 @@ def soak(pipeline: Path, requests: int, traced: bool, frames: int, workdir: Path
                 if (not any(health["rows"].values()) and not health["in_flight"]) or time.time() > deadline:
                     return health
 
-        every = max(1, requests // 10)
+        every = max(1, requests // samples_n)
         samples, snaps = [], []
         t0 = time.perf_counter()
         with ThreadPoolExecutor(8) as pool:
@@ -128,7 +130,7 @@ def soak(pipeline: Path, requests: int, traced: bool, frames: int, workdir: Path
                 if traced and start == 0:
                     snaps.append(snapshot(proc, prefix, 0))
         wall = time.perf_counter() - t0
-        out = {"requests": requests, "concurrency": 8, "cancelled_every": 4, "tracemalloc": traced,
+        out = {"requests": requests, "env": env or {}, "concurrency": 8, "cancelled_every": 4, "tracemalloc": traced,
                "wall_s": round(wall, 1), "samples": samples,
                "rss_growth_mib": round(samples[-1]["rss_mib"] - samples[0]["rss_mib"], 1)}
         if traced:
@@ -150,15 +152,19 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64, help="committed tokens per problem (steps of at most 16)")
     ap.add_argument("--tracemalloc", action="store_true", help="also run the server under tracemalloc")
     ap.add_argument("--frames", type=int, default=8, help="tracemalloc's traceback depth")
+    ap.add_argument("--samples", type=int, default=10, help="RSS samples over the soak (one every requests/samples)")
+    ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                    help="set in the server's environment (e.g. LD_PRELOAD=..., MALLOC_ARENA_MAX=2); repeatable")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="kvflow-soak-"))
     pipeline = tiny(workdir, problems=4, max_tokens=args.max_tokens)
+    env = dict(item.split("=", 1) for item in args.env)
     result = {"bench": "serve_soak", "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "machine": machine(),
               "load_average": os.getloadavg(), "max_tokens": args.max_tokens,
-              "plain": soak(pipeline, args.requests, False, args.frames, workdir)}
+              "plain": soak(pipeline, args.requests, False, args.frames, workdir, env, args.samples)}
     if args.tracemalloc:
-        result["traced"] = soak(pipeline, args.requests, True, args.frames, workdir)
+        result["traced"] = soak(pipeline, args.requests, True, args.frames, workdir, env, args.samples)
     result["load_average_after"] = os.getloadavg()
     text = json.dumps(result, indent=1)
     print(text)

@@ -553,7 +553,9 @@ def _score(scorer: Scorer, trajs: Sequence[Trajectory], candidates: Sequence[Seq
 def _commit(traj: Trajectory, winner: Candidate, base: Proposer, *, fallback: bool) -> None:
     n_tokens = winner.n_tokens if winner.source == base.name else len(base.engine.encode(winner.text))
     score = None if winner.score is None or math.isnan(winner.score) else winner.score
-    traj.steps.append(Step(winner.text, winner.source, score, n_tokens, fallback))
+    kept = winner.n_tokens - 1 if winner.finish == "eos" else winner.n_tokens  # the EOS is not in the text
+    traj.steps.append(Step(winner.text, winner.source, score, n_tokens, fallback,
+                           token_ids=winner.token_ids[:kept], logprobs=winner.logprobs[:kept]))
     traj.committed_tokens += n_tokens
 
 

@@ -59,6 +59,7 @@ class Job:
         self.tokens = 0  # completion tokens sent (base tokenizer)
         self.counts = ({}, {})  # candidates, pruned at the last step sent
         self.steps: list[dict] = []  # kvflow's facts of every step sent
+        self.logprobs: list[tuple[str, float]] = []  # (token text, log-probability) sent, when asked for
         self.finish_reason: Optional[str] = None  # set once the answer has ended (or failed)
         self.gone = False  # the client went away
         self.arrived = time.perf_counter()
@@ -81,6 +82,7 @@ class Loop:
         self.max_live = plan.room_in_problems()  # by count, or the most run.kv_memory can admit
         self.capacity = self.max_live + queue
         self.base = plan.proposers[0].engine
+        self.tokenizers = {p.name: p.engine.tokenizer for p in plan.proposers}  # a step's tokens, by its source
         self.cv = threading.Condition()
         self.queue: deque[Job] = deque()
         self.jobs: dict[str, Job] = {}  # admitted, by request id (= problem id)
@@ -280,6 +282,7 @@ class Loop:
                 if n_tokens > room:
                     text = self.base.tokenizer.decode(self.base.encode(text)[:room])
                 n_tokens, finish = room, finish or "length"
+            tokens = self._step_logprobs(step, text) if job.req.token_logprobs else []
             facts = step_facts(job.emitted, step, traj)
             facts["candidates"] = _delta(traj.candidates, job.counts[0])
             facts["pruned"] = _delta(traj.pruned, job.counts[1])
@@ -288,12 +291,26 @@ class Loop:
             job.text += text
             job.tokens += n_tokens
             job.steps.append(facts)
+            job.logprobs += tokens
             if job.first_step is None:
                 job.first_step = time.perf_counter() - job.arrived
             self.metrics.step(step.source)
-            job.push(("step", text, facts))
+            job.push(("step", text, facts, tokens))
             if finish:
                 self._end(job, finish)
+
+    def _step_logprobs(self, step, sent: str) -> list[tuple[str, float]]:
+        """(text, log-probability) of the committed step's tokens whose text was sent: all of
+        them, or, where a stop string or max_tokens cut the step to `sent`, the longest prefix
+        of its tokens that decodes within it."""
+        tok = self.tokenizers[step.source]
+        ids = step.token_ids
+        keep = len(ids)
+        if len(sent) < len(step.text):
+            keep = 0
+            while keep < len(ids) and len(tok.decode(ids[:keep + 1])) <= len(sent):
+                keep += 1
+        return [(tok.decode([i]), float(v)) for i, v in zip(ids[:keep], step.logprobs[:keep])]
 
     def _end(self, job: Job, reason: str) -> None:
         job.finish_reason = reason
@@ -387,6 +404,20 @@ class _GuardedScorer:
             except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
                 self.on_fault(pid, exc)
         return out
+
+
+def logprobs_problem(plan) -> Optional[str]:
+    """Why this pipeline's answers cannot carry their tokens' log-probabilities, or None. Every
+    committed step keeps its candidate's tokens and their log-probabilities (kvflow.components.
+    records.Step), in its proposer's tokenizer: the answer is one sequence of tokens only where
+    every proposer tokenizes as the base model does."""
+    base = plan.proposers[0]
+    vocab = base.engine.tokenizer.get_vocab()
+    for p in plan.proposers[1:]:
+        if p.engine.tokenizer.get_vocab() != vocab:
+            return (f"proposer `{p.name}`'s model has another tokenizer than the base model's "
+                    f"(proposer `{base.name}`): a step it commits is not in the base model's tokens")
+    return None
 
 
 def _component_names(plan) -> dict[int, tuple[str, bool]]:
