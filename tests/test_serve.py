@@ -44,9 +44,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-#: a third party's scorer: the likelihood scorer, except that it raises on a prompt saying BOOM
+#: a third party's scorer: the likelihood scorer, except that it raises on a prompt saying BOOM;
+#: and a pruner that makes a step slow on demand (the drain test)
 BOOM_PLUGIN = {
     "boomplug": """
+        import os
+        import time
+
+        import torch
+
+        from kvflow.components.base import Pruner, PrunerParams
         from kvflow.hookspecs import hookimpl
         from kvflow_builtin.scorers.likelihood import LikelihoodScorer
 
@@ -61,6 +68,22 @@ BOOM_PLUGIN = {
         @hookimpl
         def register_scorers(register):
             register("boom_likelihood", "boomplug:BoomScorer")
+
+
+        class SlowPruner(Pruner):  # stops nothing; once the file $KVFLOW_TEST_SLOW_FLAG exists, 50 ms a token
+            Params = PrunerParams
+            needs_text = False
+
+            def check(self, trace):
+                flag = os.environ.get("KVFLOW_TEST_SLOW_FLAG")
+                if flag and os.path.exists(flag):
+                    time.sleep(0.05)
+                return torch.zeros(len(trace.n_tokens), dtype=torch.bool)
+
+
+        @hookimpl
+        def register_pruners(register):
+            register("slow", "boomplug:SlowPruner")
     """,
 }
 
@@ -488,3 +511,36 @@ def test_sigterm_drains_and_leaves_no_process(server):
     assert not left, left
     with pytest.raises(httpx.HTTPError):
         httpx.get(server.url + "/health", timeout=2)
+
+
+def test_sigterm_with_every_answer_given_exits_mid_step(tmp_path):
+    """SIGTERM while the only request in flight has had its whole answer (max_tokens reached at
+    its first step) but its trajectory decodes a long next step (a pruner that takes 50 ms a
+    token, steps of up to 200 tokens and no delimiter: seconds to the step boundary): the
+    server stops decoding at once: it has stopped its engines within 5 s (exit code 0), the
+    answer recorded."""
+    from kvflow.testing.pipelines import tiny_pipeline
+
+    flag = tmp_path / "slow"
+    pipeline = tiny_pipeline(tmp_path, problems=2, max_tokens=1000, max_step_tokens=200,
+                             pruners=[{"kind": "slow", "threshold": 1}], extra={"limits": {"max_steps": 10},
+                                                                "run": {"threads": 1, "delimiter": "@@@@"}})
+    srv = start_server(tmp_path, "--grace", "60", pipeline=pipeline, env={"KVFLOW_TEST_SLOW_FLAG": str(flag)})
+    try:
+        answered = srv.post("/v1/chat/completions", {**CHAT, "seed": 1, "max_tokens": 1})
+        assert answered.status_code == 200 and answered.json()["choices"][0]["finish_reason"] == "length"
+        flag.touch()  # the step being decoded now crawls
+        assert httpx.get(srv.url + "/health").json()["in_flight"] == 1  # its trajectory goes on
+        started = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        while "kvflow: stopped" not in srv.log.read_text() and time.monotonic() - started < 30:
+            time.sleep(0.02)
+        assert time.monotonic() - started < 5, srv.log.read_text()  # engines stopped (the interpreter's exit follows)
+        assert srv.proc.wait(30) == 0, srv.log.read_text()
+        records = [json.loads(line) for line in (srv.record / "samples.jsonl").read_text().splitlines()]
+        assert [r["request_id"] for r in records] == [answered.json()["id"]]
+        assert records[0]["served"]["finish_reason"] == "length"
+    finally:
+        if srv.proc.poll() is None:
+            srv.proc.kill()
+            srv.proc.wait(30)

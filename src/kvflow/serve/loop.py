@@ -13,6 +13,9 @@ A request's answer may end before its trajectory does: at a `stop` string, at it
 `max_tokens`, when its client goes away, or when the grace period of a shutdown is over. The
 trajectory is then cancelled (the scheduler's `cancelled=`): at its next step boundary its
 rows are released in every engine and its scorer state dropped, so engines return to idle.
+While a shutdown drains, the engine thread stops at once, mid-step, when no accepted request
+has an answer still going (`_Drained`, checked after every decode step): the trajectories
+left are not decoded to their step boundary; those answered in full are recorded as usual.
 A request's rows are seeded by its `seed` (`seed_key=`: a request with `seed: i` is seeded as
 `kvflow run` seeds the problem whose id is `<dataset.name>/<i>`, the i-th line of a
 `dataset.path` file without an id field), so its committed steps do not depend on what else is
@@ -177,6 +180,12 @@ class Loop:
                                     cancelled=self._cancelled, seed_key=self._seed_key)
                 self._run_calls(refuse="the server shut down")
                 return  # the source ended: a drained shutdown
+            except _Drained:  # mid-step: every answer has ended, nothing more to decode
+                for job in list(self.jobs.values()):
+                    job.traj.finish = job.traj.finish or "cancelled"
+                    self._on_done(job.traj)
+                self._run_calls(refuse="the server shut down")
+                return
             except BaseException as exc:  # noqa: BLE001 - every fault is answered, see the module docstring
                 who, engine = self._blame(exc)
                 message = f"{who} failed: {type(exc).__name__}: {exc}"
@@ -226,6 +235,10 @@ class Loop:
         for job in jobs:
             self._emit(job)
         self._run_calls()
+        with self.cv:
+            if self.stopping and not self.queue and all(j.finish_reason is not None or j.gone
+                                                        for j in self.jobs.values()):
+                raise _Drained  # a shutdown with no answer left to give: stop decoding now
 
     def _run_calls(self, refuse: Optional[str] = None) -> None:
         """Run (or, with `refuse`, fail) the work `call` queued for this thread."""
@@ -374,6 +387,12 @@ class Loop:
             if owner is not None and id(owner) in self.names:
                 return self.names[id(owner)]
         return "the step scheduler", True
+
+
+class _Drained(Exception):
+    """Out of the scheduler, from `_on_tick`: a draining server has no answer left to give, so
+    the trajectories still decoding (answers ended at a stop string or max_tokens, cancelled,
+    or failed at the grace period's end) are not decoded to their step boundary."""
 
 
 class _GuardedScorer:
