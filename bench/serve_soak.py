@@ -3,8 +3,11 @@
 A `kvflow serve` process over kvflow.testing's tiny pipeline (as bench/serve_throughput.py's,
 `--max-tokens` committed tokens per problem) gets `--requests` streamed chat requests from 8
 clients in this process, every 4th closed after its first committed step (a cancellation).
-Every tenth of the way, once /health shows nothing in flight and every engine's rows at 0,
-the server's resident memory (VmRSS) is sampled. With `--tracemalloc`, the server runs under
+`--samples` times over the soak (every tenth of the way by default), once /health shows
+nothing in flight and every engine's rows at 0, the server's resident memory is sampled:
+VmRSS, and its two parts, RssAnon (the heap: what a leak grows) and RssFile (mapped files,
+which the kernel may drop and read back). `--env NAME=VALUE` sets the server's environment
+(an allocator by `LD_PRELOAD`, `MALLOC_ARENA_MAX`, ...). With `--tracemalloc`, the server runs under
 tracemalloc from the first request on (`--frames` deep; its own bookkeeping inflates VmRSS, so
 the RSS figure is the run without it) and dumps a snapshot after the first tenth (the warm-up)
 and at the end (signalled with SIGUSR1); the largest growths between the two, by source line, are printed:
@@ -12,6 +15,8 @@ what Python objects the server kept. Memory torch allocates for tensors is not s
 tracemalloc; RSS is.
 
     python bench/serve_soak.py --requests 1000                 # RSS samples
+    python bench/serve_soak.py --requests 3000 --samples 30    # every 100 requests: does it plateau?
+    python bench/serve_soak.py --env LD_PRELOAD=/path/to/libjemalloc.so   # another allocator
     python bench/serve_soak.py --requests 1000 --tracemalloc   # + where Python memory grew
 
 Prints one JSON object (and writes it to `--out`). Traffic goes to 127.0.0.1 only and stops
@@ -56,9 +61,12 @@ main()
 """
 
 
-def rss_mib(pid: int) -> float:
+def rss_mib(pid: int, field: str = "VmRSS") -> float:
+    """A process's resident memory in MiB: VmRSS (all of it), RssAnon (its heap: what a leak
+    grows) or RssFile (mapped files: shared libraries, which the kernel may drop under memory
+    pressure and read back, so VmRSS can fall below its starting size on a shared machine)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(field + ":"):
             return round(int(line.split()[1]) / 1024, 1)
     return 0.0
 
@@ -125,6 +133,7 @@ def soak(pipeline: Path, requests: int, traced: bool, frames: int, workdir: Path
                 list(pool.map(one, range(start, min(requests, start + every))))
                 health = idle()
                 samples.append({"requests": min(requests, start + every), "rss_mib": rss_mib(proc.pid),
+                                "anon_mib": rss_mib(proc.pid, "RssAnon"), "file_mib": rss_mib(proc.pid, "RssFile"),
                                 "rows": health["rows"], "in_flight": health["in_flight"]})
                 print(json.dumps(samples[-1]), file=sys.stderr, flush=True)
                 if traced and start == 0:
@@ -132,7 +141,8 @@ def soak(pipeline: Path, requests: int, traced: bool, frames: int, workdir: Path
         wall = time.perf_counter() - t0
         out = {"requests": requests, "env": env or {}, "concurrency": 8, "cancelled_every": 4, "tracemalloc": traced,
                "wall_s": round(wall, 1), "samples": samples,
-               "rss_growth_mib": round(samples[-1]["rss_mib"] - samples[0]["rss_mib"], 1)}
+               "rss_growth_mib": round(samples[-1]["rss_mib"] - samples[0]["rss_mib"], 1),
+               "anon_growth_mib": round(samples[-1]["anon_mib"] - samples[0]["anon_mib"], 1)}
         if traced:
             snaps.append(snapshot(proc, prefix, 1))
             diff = snaps[1].compare_to(snaps[0], "lineno")

@@ -5,7 +5,8 @@ against the API key, the serve extra installed, the models obtainable, the recor
 directory), enters one `kvflow.runtime.session.Session` for the life of the process, starts
 the engine thread (kvflow.serve.loop) and runs uvicorn on the app (kvflow.serve.app) in this
 thread. SIGTERM or SIGINT: drain (new requests get 503 and /health says "draining", the
-socket stays open), let what was accepted finish within `grace` seconds, cancel the rest,
+socket stays open), let what was accepted finish within `grace` seconds, cancel the rest
+(the engine thread stops, mid-step, once no accepted request has an answer still going),
 then stop uvicorn and the engine thread, leave the Session (engines and their worker
 processes stopped), return 0. A second SIGINT cuts the drain short. An engine that dies
 stops the server too; then it returns 1.
