@@ -513,33 +513,54 @@ def test_sigterm_drains_and_leaves_no_process(server):
         httpx.get(server.url + "/health", timeout=2)
 
 
-def test_sigterm_with_every_answer_given_exits_mid_step(tmp_path):
-    """SIGTERM while the only request in flight has had its whole answer (max_tokens reached at
-    its first step) but its trajectory decodes a long next step (a pruner that takes 50 ms a
-    token, steps of up to 200 tokens and no delimiter: seconds to the step boundary): the
-    server stops decoding at once: it has stopped its engines within 5 s (exit code 0), the
-    answer recorded."""
+def test_ended_answers_stop_decoding_mid_step_and_a_drain_ends_promptly(tmp_path):
+    """Steps made long (a pruner that takes 50 ms a token once a flag file exists, steps of up to
+    200 tokens, no delimiter: up to 10 s to a step's end; the seeds' trajectories have steps of
+    200 tokens and more, after kvflow.testing's tiny models). A request answered at its first step
+    (max_tokens 1) has its trajectory's next step stopped at once (the hf engine's `cancel`):
+    nothing in flight, rows 0, within 3 s. Then SIGTERM with `--grace 2` while a streamed answer
+    is in a long step: the stream ends with a 503 when the grace period is over and the server
+    stops its engines within 5 s of the signal (exit 0), not at the step's end."""
     from kvflow.testing.pipelines import tiny_pipeline
 
     flag = tmp_path / "slow"
     pipeline = tiny_pipeline(tmp_path, problems=2, max_tokens=1000, max_step_tokens=200,
                              pruners=[{"kind": "slow", "threshold": 1}], extra={"limits": {"max_steps": 10},
-                                                                "run": {"threads": 1, "delimiter": "@@@@"}})
-    srv = start_server(tmp_path, "--grace", "60", pipeline=pipeline, env={"KVFLOW_TEST_SLOW_FLAG": str(flag)})
+                                                                                "run": {"threads": 1, "delimiter": "@@@@"}})
+    srv = start_server(tmp_path, "--grace", "2", pipeline=pipeline, env={"KVFLOW_TEST_SLOW_FLAG": str(flag)})
     try:
-        answered = srv.post("/v1/chat/completions", {**CHAT, "seed": 1, "max_tokens": 1})
+        answered = srv.post("/v1/chat/completions", {**CHAT, "seed": 4, "max_tokens": 1})
         assert answered.status_code == 200 and answered.json()["choices"][0]["finish_reason"] == "length"
         flag.touch()  # the step being decoded now crawls
-        assert httpx.get(srv.url + "/health").json()["in_flight"] == 1  # its trajectory goes on
+        started = time.monotonic()
+        while (health := httpx.get(srv.url + "/health").json())["in_flight"] or any(health["rows"].values()):
+            assert time.monotonic() - started < 3, health
+            time.sleep(0.05)
+        assert wait_record(srv, answered.json()["id"])["served"]["finish_reason"] == "length"
+
+        flag.unlink()
+        events, first = [], threading.Event()
+
+        def stream():
+            with httpx.stream("POST", srv.url + "/v1/chat/completions", headers=srv.headers, timeout=60,
+                              json={**CHAT, "seed": 8, "stream": True}) as reply:
+                for line in reply.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        first.set()
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert first.wait(60)
+        flag.touch()
         started = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
         while "kvflow: stopped" not in srv.log.read_text() and time.monotonic() - started < 30:
             time.sleep(0.02)
         assert time.monotonic() - started < 5, srv.log.read_text()  # engines stopped (the interpreter's exit follows)
         assert srv.proc.wait(30) == 0, srv.log.read_text()
-        records = [json.loads(line) for line in (srv.record / "samples.jsonl").read_text().splitlines()]
-        assert [r["request_id"] for r in records] == [answered.json()["id"]]
-        assert records[0]["served"]["finish_reason"] == "length"
+        reader.join(30)
+        assert events[-1].startswith("{") and json.loads(events[-1])["error"]["code"] == "shutting_down", events[-3:]
     finally:
         if srv.proc.poll() is None:
             srv.proc.kill()

@@ -11,11 +11,14 @@ accepted requests, `submit` refuses with 429.
 
 A request's answer may end before its trajectory does: at a `stop` string, at its own
 `max_tokens`, when its client goes away, or when the grace period of a shutdown is over. The
-trajectory is then cancelled (the scheduler's `cancelled=`): at its next step boundary its
-rows are released in every engine and its scorer state dropped, so engines return to idle.
+trajectory is then cancelled (the scheduler's `cancelled=`): on an engine that can stop
+proposals mid-step (`Engine.cancel`: hf) after the current decode step, elsewhere at its next
+step boundary, its rows are released in every engine and its scorer state dropped, so engines
+return to idle.
 While a shutdown drains, the engine thread stops at once, mid-step, when no accepted request
 has an answer still going (`_Drained`, checked after every decode step): the trajectories
-left are not decoded to their step boundary; those answered in full are recorded as usual.
+left (on engines without `cancel`) are not decoded to their step boundary; those answered in
+full are recorded as usual.
 A request's rows are seeded by its `seed` (`seed_key=`: a request with `seed: i` is seeded as
 `kvflow run` seeds the problem whose id is `<dataset.name>/<i>`, the i-th line of a
 `dataset.path` file without an id field), so its committed steps do not depend on what else is
@@ -137,7 +140,7 @@ class Loop:
         return asyncio.wrap_future(future)
 
     def cancel(self, job: Job) -> None:
-        """The client went away: its trajectory ends at its next step boundary (or is never admitted)."""
+        """The client went away: its trajectory is cancelled (see the module docstring), or never admitted."""
         with self.cv:
             job.gone = True
             if job in self.queue:
