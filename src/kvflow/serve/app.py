@@ -20,8 +20,9 @@ A streamed answer is one SSE event per committed step (`delta.content` the step'
 `kvflow` its facts); the last event has `finish_reason` and `usage`, then `data: [DONE]`. A
 client that goes away (a closed connection: a crashed harness, an SDK's timeout) cancels its
 request, streamed or not: the stream's generator is closed, or the non-streamed wait sees the
-`http.disconnect` message at once, and the engine thread drops the trajectory at its next step
-boundary (the response is logged as 499, the nginx code for a client that closed).
+`http.disconnect` message at once, and the engine thread cancels the trajectory (its rows stop
+after the current token on an hf engine, at the step boundary elsewhere; the response is
+logged as 499, the nginx code for a client that closed).
 
 Answer logprobs (chat `logprobs: true`, completions `logprobs: 0`): each answer token with
 the log-probability its proposer sampled it at (kvflow.components.records.Step keeps the
@@ -322,7 +323,7 @@ async def _score(service: Service, req) -> Any:
         if service.context and len(ids) + req.max_tokens > service.context:
             raise ApiError(400, f"the prompt is {len(ids)} tokens; the base model's context is {service.context}",
                            param="prompt", code="context_length_exceeded")
-    k = max(1, req.logprobs)
+    k = max(1, req.top_logprobs)
     scored = []
     for ids in prompts:
         scored.append(await service.loop.call(lambda ids=ids: base.prompt_logprobs(ids, k)))
@@ -334,7 +335,7 @@ async def _score(service: Service, req) -> Any:
         if req.max_tokens == 1:
             token, lp = got.next[0]
             completion = (piece(token), lp, [(piece(t), v) for t, v in got.next])
-        choices.append(scored_choice(index, [piece(i) for i in ids], got.logprobs, top, completion, req.logprobs,
+        choices.append(scored_choice(index, [piece(i) for i in ids], got.logprobs, top, completion, req.top_logprobs,
                                      "length"))
     return JSONResponse(scored_response(req, f"cmpl-score-{now()}", now(), choices, sum(map(len, prompts))))
 

@@ -65,7 +65,6 @@ class Job:
         self.tokens = 0  # completion tokens sent (base tokenizer)
         self.counts = ({}, {})  # candidates, pruned at the last step sent
         self.steps: list[dict] = []  # kvflow's facts of every step sent
-        self.logprobs: list[tuple[str, float]] = []  # (token text, log-probability) sent, when asked for
         self.finish_reason: Optional[str] = None  # set once the answer has ended (or failed)
         self.gone = False  # the client went away
         self.arrived = time.perf_counter()
@@ -307,7 +306,6 @@ class Loop:
             job.text += text
             job.tokens += n_tokens
             job.steps.append(facts)
-            job.logprobs += tokens
             if job.first_step is None:
                 job.first_step = time.perf_counter() - job.arrived
             self.metrics.step(step.source)

@@ -82,11 +82,10 @@ class Request:
     prompt_ids: Optional[list[int]] = None  # completion given as token ids (the base tokenizer's)
     clamped_from: Optional[int] = None  # the max_tokens asked for, when serve.clamp_max_tokens lowered it
     echo: bool = False  # a scoring request (see the module docstring)
-    logprobs: int = 0  # top alternatives per token of a scoring request
     prompts: list = field(default_factory=list)  # a scoring request's prompts: str or list[int] each
     token_logprobs: bool = False  # the answer's tokens with their log-probabilities (chat `logprobs: true`,
     # completions `logprobs: k`)
-    top_logprobs: int = 0  # alternatives asked for per answer token (chat `top_logprobs`, completions' k)
+    top_logprobs: int = 0  # alternatives asked for per token (chat `top_logprobs`, completions' `logprobs` k)
 
 
 # fields each endpoint honours (besides the ignorable ones)
@@ -232,7 +231,7 @@ def parse_completion(body: Any, *, ignore: frozenset, served_model: str, max_tok
             raise ApiError(400, "a scoring request (`echo`) is not streamed", param="stream")
         if len(prompts) > MAX_SCORED_PROMPTS:
             raise ApiError(400, f"at most {MAX_SCORED_PROMPTS} prompts per scoring request", param="prompt")
-        req.echo, req.logprobs, req.prompts = True, k, prompts
+        req.echo, req.top_logprobs, req.prompts = True, k, prompts
         return req
     k = body.get("logprobs")
     if k is not None:
