@@ -153,7 +153,7 @@ class _Problem:
         self.kv_bytes = kv_bytes  # what it reserves of run.kv_memory while in flight
         self.states: dict[str, object] = {}
         self.proposals: dict[str, Proposal] = {}
-        self.requests: dict[str, ProposeRequest] = {}  # the proposal submitted, by proposer (for `cancel`)
+        self.requests: dict[str, ProposeRequest] = {}  # proposals decoding, by proposer (for `cancel`)
         self.waiting: set[str] = set()
         self.admit(clock)
 
@@ -302,9 +302,7 @@ def _loop(plan: Plan, source, on_done, clock, occupancy: Occupancy, overlap: "_O
             if together:
                 occupancy.overlapped[name] = occupancy.overlapped.get(name, 0) + 1
             for proposal in finished:
-                problem, proposer = proposal.request.tag
-                problem.proposals[proposer] = proposal
-                problem.waiting.discard(proposer)
+                _ended(proposal)
         if on_tick is not None:
             on_tick(len(live))
         if cancelled is not None:
@@ -430,9 +428,17 @@ def _cancel_proposing(plan: Plan, live: Sequence[_Problem], cancelled) -> None:
         going = [p for p in live if prop.name in p.waiting and cancelled(p.traj)]
         if going:
             for proposal in cancel([p.requests[prop.name] for p in going]):
-                problem, proposer = proposal.request.tag
-                problem.proposals[proposer] = proposal
-                problem.waiting.discard(proposer)
+                _ended(proposal)
+
+
+def _ended(proposal: Proposal) -> None:
+    """A proposal handed back by its engine: its problem holds it until sync or release. The
+    request is no longer held (it refers back to the problem: a cycle that would keep the
+    states it carries for Python's cyclic GC)."""
+    problem, proposer = proposal.request.tag
+    problem.proposals[proposer] = proposal
+    problem.requests.pop(proposer, None)
+    problem.waiting.discard(proposer)
 
 
 def _drop(plan: Plan, problems: Sequence[_Problem], clock) -> None:
