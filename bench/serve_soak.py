@@ -3,8 +3,11 @@
 A `kvflow serve` process over kvflow.testing's tiny pipeline (as bench/serve_throughput.py's,
 `--max-tokens` committed tokens per problem) gets `--requests` streamed chat requests from 8
 clients in this process, every 4th closed after its first committed step (a cancellation).
-Every tenth of the way, once /health shows nothing in flight and every engine's rows at 0,
-the server's resident memory (VmRSS) is sampled. With `--tracemalloc`, the server runs under
+`--samples` times over the soak (every tenth of the way by default), once /health shows
+nothing in flight and every engine's rows at 0, the server's resident memory is sampled:
+VmRSS, and its two parts, RssAnon (the heap: what a leak grows) and RssFile (mapped files,
+which the kernel may drop and read back). `--env NAME=VALUE` sets the server's environment
+(an allocator by `LD_PRELOAD`, `MALLOC_ARENA_MAX`, ...). With `--tracemalloc`, the server runs under
 tracemalloc from the first request on (`--frames` deep; its own bookkeeping inflates VmRSS, so
 the RSS figure is the run without it) and dumps a snapshot after the first tenth (the warm-up)
 and at the end (signalled with SIGUSR1); the largest growths between the two, by source line, are printed:
@@ -12,6 +15,8 @@ what Python objects the server kept. Memory torch allocates for tensors is not s
 tracemalloc; RSS is.
 
     python bench/serve_soak.py --requests 1000                 # RSS samples
+    python bench/serve_soak.py --requests 3000 --samples 30    # every 100 requests: does it plateau?
+    python bench/serve_soak.py --env LD_PRELOAD=/path/to/libjemalloc.so   # another allocator
     python bench/serve_soak.py --requests 1000 --tracemalloc   # + where Python memory grew
 
 Prints one JSON object (and writes it to `--out`). Traffic goes to 127.0.0.1 only and stops
@@ -56,9 +61,12 @@ main()
 """
 
 
-def rss_mib(pid: int) -> float:
+def rss_mib(pid: int, field: str = "VmRSS") -> float:
+    """A process's resident memory in MiB: VmRSS (all of it), RssAnon (its heap: what a leak
+    grows) or RssFile (mapped files: shared libraries, which the kernel may drop under memory
+    pressure and read back, so VmRSS can fall below its starting size on a shared machine)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(field + ":"):
             return round(int(line.split()[1]) / 1024, 1)
     return 0.0
 
@@ -79,7 +87,8 @@ def snapshot(proc, prefix: Path, k) -> tracemalloc.Snapshot:
     raise RuntimeError(f"no tracemalloc snapshot at {path}")
 
 
-def soak(pipeline: Path, requests: int, traced: bool, frames: int, workdir: Path) -> dict:
+def soak(pipeline: Path, requests: int, traced: bool, frames: int, workdir: Path, env: dict | None = None,
+         samples_n: int = 10) -> dict:
     import httpx
 
     from kvflow.testing.pipelines import PROBLEMS
@@ -90,7 +99,8 @@ def soak(pipeline: Path, requests: int, traced: bool, frames: int, workdir: Path
     cmd = ([sys.executable, "-c", WRAPPER, str(frames), str(prefix)] if traced
            else [sys.executable, "-c", "from kvflow.cli import main; main()"])
     log = open(workdir / f"serve-{port}.log", "w")
-    proc = subprocess.Popen([*cmd, "serve", str(pipeline), "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([*cmd, "serve", str(pipeline), "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, **(env or {})})
     messages = [[{"role": "user", "content": f"{q} (variant {i})"}] for i, (q, _) in enumerate(PROBLEMS)]
     try:
         for _ in range(1200):
@@ -115,7 +125,7 @@ def soak(pipeline: Path, requests: int, traced: bool, frames: int, workdir: Path
                 if (not any(health["rows"].values()) and not health["in_flight"]) or time.time() > deadline:
                     return health
 
-        every = max(1, requests // 10)
+        every = max(1, requests // samples_n)
         samples, snaps = [], []
         t0 = time.perf_counter()
         with ThreadPoolExecutor(8) as pool:
@@ -123,14 +133,16 @@ def soak(pipeline: Path, requests: int, traced: bool, frames: int, workdir: Path
                 list(pool.map(one, range(start, min(requests, start + every))))
                 health = idle()
                 samples.append({"requests": min(requests, start + every), "rss_mib": rss_mib(proc.pid),
+                                "anon_mib": rss_mib(proc.pid, "RssAnon"), "file_mib": rss_mib(proc.pid, "RssFile"),
                                 "rows": health["rows"], "in_flight": health["in_flight"]})
                 print(json.dumps(samples[-1]), file=sys.stderr, flush=True)
                 if traced and start == 0:
                     snaps.append(snapshot(proc, prefix, 0))
         wall = time.perf_counter() - t0
-        out = {"requests": requests, "concurrency": 8, "cancelled_every": 4, "tracemalloc": traced,
+        out = {"requests": requests, "env": env or {}, "concurrency": 8, "cancelled_every": 4, "tracemalloc": traced,
                "wall_s": round(wall, 1), "samples": samples,
-               "rss_growth_mib": round(samples[-1]["rss_mib"] - samples[0]["rss_mib"], 1)}
+               "rss_growth_mib": round(samples[-1]["rss_mib"] - samples[0]["rss_mib"], 1),
+               "anon_growth_mib": round(samples[-1]["anon_mib"] - samples[0]["anon_mib"], 1)}
         if traced:
             snaps.append(snapshot(proc, prefix, 1))
             diff = snaps[1].compare_to(snaps[0], "lineno")
@@ -150,15 +162,19 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64, help="committed tokens per problem (steps of at most 16)")
     ap.add_argument("--tracemalloc", action="store_true", help="also run the server under tracemalloc")
     ap.add_argument("--frames", type=int, default=8, help="tracemalloc's traceback depth")
+    ap.add_argument("--samples", type=int, default=10, help="RSS samples over the soak (one every requests/samples)")
+    ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                    help="set in the server's environment (e.g. LD_PRELOAD=..., MALLOC_ARENA_MAX=2); repeatable")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="kvflow-soak-"))
     pipeline = tiny(workdir, problems=4, max_tokens=args.max_tokens)
+    env = dict(item.split("=", 1) for item in args.env)
     result = {"bench": "serve_soak", "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "machine": machine(),
               "load_average": os.getloadavg(), "max_tokens": args.max_tokens,
-              "plain": soak(pipeline, args.requests, False, args.frames, workdir)}
+              "plain": soak(pipeline, args.requests, False, args.frames, workdir, env, args.samples)}
     if args.tracemalloc:
-        result["traced"] = soak(pipeline, args.requests, True, args.frames, workdir)
+        result["traced"] = soak(pipeline, args.requests, True, args.frames, workdir, env, args.samples)
     result["load_average_after"] = os.getloadavg()
     text = json.dumps(result, indent=1)
     print(text)

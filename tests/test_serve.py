@@ -44,9 +44,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-#: a third party's scorer: the likelihood scorer, except that it raises on a prompt saying BOOM
+#: a third party's scorer: the likelihood scorer, except that it raises on a prompt saying BOOM;
+#: and a pruner that makes a step slow on demand (the drain test)
 BOOM_PLUGIN = {
     "boomplug": """
+        import os
+        import time
+
+        import torch
+
+        from kvflow.components.base import Pruner, PrunerParams
         from kvflow.hookspecs import hookimpl
         from kvflow_builtin.scorers.likelihood import LikelihoodScorer
 
@@ -61,6 +68,22 @@ BOOM_PLUGIN = {
         @hookimpl
         def register_scorers(register):
             register("boom_likelihood", "boomplug:BoomScorer")
+
+
+        class SlowPruner(Pruner):  # stops nothing; once the file $KVFLOW_TEST_SLOW_FLAG exists, 50 ms a token
+            Params = PrunerParams
+            needs_text = False
+
+            def check(self, trace):
+                flag = os.environ.get("KVFLOW_TEST_SLOW_FLAG")
+                if flag and os.path.exists(flag):
+                    time.sleep(0.05)
+                return torch.zeros(len(trace.n_tokens), dtype=torch.bool)
+
+
+        @hookimpl
+        def register_pruners(register):
+            register("slow", "boomplug:SlowPruner")
     """,
 }
 
@@ -285,7 +308,7 @@ BAD = [
     ("temperature", {**CHAT, "temperature": 0}, 400, "temperature"),
     ("top_p", {**CHAT, "top_p": 0.5}, 400, "top_p"),
     ("n > 1", {**CHAT, "n": 2}, 400, "n"),
-    ("logprobs", {**CHAT, "logprobs": True}, 400, "logprobs"),
+    ("top_logprobs", {**CHAT, "logprobs": True, "top_logprobs": 2}, 400, "top_logprobs"),
     ("tools", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("response_format", {**CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("unknown field", {**CHAT, "frobnicate": 1}, 400, "frobnicate"),
@@ -304,7 +327,7 @@ def test_bad_requests_are_4xx(server, what, body, status, param):
     assert reply.status_code == status, reply.text
     error = reply.json()["error"]
     assert error["message"] and error["param"] == param
-    if param in ("temperature", "top_p", "n", "logprobs", "tools", "response_format"):
+    if param in ("temperature", "top_p", "n", "tools", "response_format"):
         assert f"`{param}` is decided by the pipeline" in error["message"] and "serve.ignore" in error["message"]
 
 
@@ -488,3 +511,57 @@ def test_sigterm_drains_and_leaves_no_process(server):
     assert not left, left
     with pytest.raises(httpx.HTTPError):
         httpx.get(server.url + "/health", timeout=2)
+
+
+def test_ended_answers_stop_decoding_mid_step_and_a_drain_ends_promptly(tmp_path):
+    """Steps made long (a pruner that takes 50 ms a token once a flag file exists, steps of up to
+    200 tokens, no delimiter: up to 10 s to a step's end; the seeds' trajectories have steps of
+    200 tokens and more, after kvflow.testing's tiny models). A request answered at its first step
+    (max_tokens 1) has its trajectory's next step stopped at once (the hf engine's `cancel`):
+    nothing in flight, rows 0, within 3 s. Then SIGTERM with `--grace 2` while a streamed answer
+    is in a long step: the stream ends with a 503 when the grace period is over and the server
+    stops its engines within 5 s of the signal (exit 0), not at the step's end."""
+    from kvflow.testing.pipelines import tiny_pipeline
+
+    flag = tmp_path / "slow"
+    pipeline = tiny_pipeline(tmp_path, problems=2, max_tokens=1000, max_step_tokens=200,
+                             pruners=[{"kind": "slow", "threshold": 1}], extra={"limits": {"max_steps": 10},
+                                                                                "run": {"threads": 1, "delimiter": "@@@@"}})
+    srv = start_server(tmp_path, "--grace", "2", pipeline=pipeline, env={"KVFLOW_TEST_SLOW_FLAG": str(flag)})
+    try:
+        answered = srv.post("/v1/chat/completions", {**CHAT, "seed": 4, "max_tokens": 1})
+        assert answered.status_code == 200 and answered.json()["choices"][0]["finish_reason"] == "length"
+        flag.touch()  # the step being decoded now crawls
+        started = time.monotonic()
+        while (health := httpx.get(srv.url + "/health").json())["in_flight"] or any(health["rows"].values()):
+            assert time.monotonic() - started < 3, health
+            time.sleep(0.05)
+        assert wait_record(srv, answered.json()["id"])["served"]["finish_reason"] == "length"
+
+        flag.unlink()
+        events, first = [], threading.Event()
+
+        def stream():
+            with httpx.stream("POST", srv.url + "/v1/chat/completions", headers=srv.headers, timeout=60,
+                              json={**CHAT, "seed": 8, "stream": True}) as reply:
+                for line in reply.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        first.set()
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert first.wait(60)
+        flag.touch()
+        started = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        while "kvflow: stopped" not in srv.log.read_text() and time.monotonic() - started < 30:
+            time.sleep(0.02)
+        assert time.monotonic() - started < 5, srv.log.read_text()  # engines stopped (the interpreter's exit follows)
+        assert srv.proc.wait(30) == 0, srv.log.read_text()
+        reader.join(30)
+        assert events[-1].startswith("{") and json.loads(events[-1])["error"]["code"] == "shutting_down", events[-3:]
+    finally:
+        if srv.proc.poll() is None:
+            srv.proc.kill()
+            srv.proc.wait(30)

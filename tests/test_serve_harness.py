@@ -8,7 +8,9 @@ field accepted and ignored; /metrics without the key; vLLM's /tokenize, /detoken
 /tokenizer_info (what lm-eval's remote tokenizer reads); a scoring request (echo + logprobs +
 max_tokens 1, what lm-eval's local-completions sends for loglikelihood tasks) equal to a plain
 transformers forward of the base model; and (last) a request answered after all that traffic,
-on an idle server, as the fresh server answered it.
+on an idle server, as the fresh server answered it. A second server (the base model alone,
+greedy, full KV) checks answer logprobs (chat `logprobs: true`, completions `logprobs: 0`)
+against plain transformers forwards.
 """
 
 from __future__ import annotations
@@ -37,14 +39,18 @@ def server(tmp_path_factory):
     srv.proc.wait(30)
 
 
-@pytest.fixture(scope="module")
-def base_model(server):
-    """The pipeline's base model and tokenizer, loaded here with transformers."""
+def load_base(pipeline):
+    """A pipeline's base model and tokenizer, loaded here with transformers."""
     import transformers
 
-    path = yaml.safe_load(server.pipeline.read_text())["models"]["base"]["id"]
+    path = yaml.safe_load(pipeline.read_text())["models"]["base"]["id"]
     return (transformers.AutoModelForCausalLM.from_pretrained(path, dtype="float32").eval(),
             transformers.AutoTokenizer.from_pretrained(path))
+
+
+@pytest.fixture(scope="module")
+def base_model(server):
+    return load_base(server.pipeline)
 
 
 def test_max_tokens_past_the_limit_is_clamped_and_said(server):
@@ -132,3 +138,95 @@ def test_an_idle_server_answers_as_a_fresh_one(server):
     strip = lambda steps: [dict(s, score=None) for s in steps]  # noqa: E731
     assert again.choices[0].message.content == server.fresh.choices[0].message.content
     assert strip(again.model_extra["kvflow"]["steps"]) == strip(server.fresh.model_extra["kvflow"]["steps"])
+
+
+# --------------------------------------------------------------------------- answer logprobs
+
+
+@pytest.fixture(scope="module")
+def full_kv_server(tmp_path_factory):
+    """A server whose pipeline is the base model alone, greedy, one candidate, no eviction: its
+    answers are plain greedy decoding, and each token's logprob is the model's own."""
+    from kvflow.testing.pipelines import tiny_pipeline
+
+    directory = tmp_path_factory.mktemp("logprobs")
+    pipeline = tiny_pipeline(directory, helper=False, n=1, max_tokens=MAX_TOKENS, extra={
+        "proposers": {"base": {"evictor": None, "sampling": {"temperature": 0}}},
+        "limits": {"max_steps": 10}, "run": {"threads": 1}})
+    srv = start_server(directory, pipeline=pipeline)
+    yield srv
+    srv.proc.kill()
+    srv.proc.wait(30)
+
+
+def greedy_logprobs(model, tok, messages, n: int) -> list[tuple[str, float]]:
+    """(text, log p) of the first n greedy tokens after the chat prompt, by plain forwards."""
+    import torch
+
+    ids = tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                     add_special_tokens=False)
+    out = []
+    with torch.inference_mode():
+        for _ in range(n):
+            logp = torch.log_softmax(model(torch.as_tensor([ids])).logits[0, -1].float(), -1)
+            token = int(logp.argmax())
+            out.append((tok.decode([token]), float(logp[token])))
+            ids.append(token)
+    return out
+
+
+def test_chat_logprobs_are_the_committed_tokens_own(full_kv_server):
+    """`logprobs: true`: every answer token with its log-probability, as a plain transformers
+    forward gives them; the same in a stream (per step) and on /v1/completions (`logprobs: 0`);
+    cut with the answer at max_tokens; alternatives (`top_logprobs` > 0) refused with a 400."""
+    model, tok = load_base(full_kv_server.pipeline)
+    client = full_kv_server.client()
+    messages = question_messages(0)
+    reply = client.chat.completions.create(model="tiny", messages=messages, seed=3, logprobs=True)
+    content = reply.choices[0].logprobs.content
+    assert len(content) > 16 and "".join(t.token for t in content) == reply.choices[0].message.content
+    expected = greedy_logprobs(model, tok, messages, len(content))
+    assert [t.token for t in content] == [t for t, _ in expected]
+    assert [t.logprob for t in content] == pytest.approx([v for _, v in expected], abs=1e-4)
+    assert all(t.bytes == list(t.token.encode()) and t.top_logprobs == [] for t in content)
+
+    streamed = []
+    for chunk in client.chat.completions.create(model="tiny", messages=messages, seed=3, logprobs=True,
+                                                top_logprobs=0, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs:
+            streamed += chunk.choices[0].logprobs.content
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+
+    short = client.chat.completions.create(model="tiny", messages=messages, seed=3, logprobs=True, max_tokens=5)
+    assert [t.token for t in short.choices[0].logprobs.content] == [t.token for t in content][:5]
+    assert "".join(t.token for t in short.choices[0].logprobs.content) == short.choices[0].message.content
+
+    prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = client.completions.create(model="tiny", prompt=prompt, seed=3, logprobs=0).choices[0]
+    assert text.logprobs.tokens == [t.token for t in content] and text.text == reply.choices[0].message.content
+    assert text.logprobs.token_logprobs == pytest.approx([t.logprob for t in content], abs=1e-6)
+    assert text.logprobs.text_offset == [sum(len(t.token) for t in content[:i]) for i in range(len(content))]
+
+    plain = client.chat.completions.create(model="tiny", messages=messages, seed=3)
+    assert plain.choices[0].logprobs is None
+    for path, body, param in (("/v1/chat/completions", {"logprobs": True, "top_logprobs": 2}, "top_logprobs"),
+                              ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+                              ("/v1/completions", {"logprobs": 3}, "logprobs")):
+        shape = {"messages": messages} if "chat" in path else {"prompt": prompt}
+        reply = full_kv_server.post(path, {"model": "tiny", **shape, **body})
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
+
+
+def test_logprobs_need_one_tokenizer_for_every_proposer():
+    """A pipeline whose helper tokenizes otherwise cannot give one token sequence: said, by name."""
+    from types import SimpleNamespace
+
+    from kvflow.serve.loop import logprobs_problem
+    from kvflow.testing.models import tiny_tokenizer
+
+    def plan(*vocab_sizes):
+        return SimpleNamespace(proposers=[SimpleNamespace(name=name, engine=SimpleNamespace(tokenizer=tiny_tokenizer(v)))
+                                          for name, v in zip(("base", "helper"), vocab_sizes)])
+
+    assert logprobs_problem(plan(400, 400)) is None
+    assert "proposer `helper`'s model has another tokenizer" in logprobs_problem(plan(400, 300))

@@ -366,3 +366,43 @@ def test_rows_leave_the_batch_without_copies(monkeypatch):
     while engine.busy_rows():
         engine.step()
     assert pool.cache.n_rows == 12  # the released rows were reused
+
+
+def test_finished_and_cancelled_problems_leave_nothing_for_the_cyclic_gc():
+    """Problems decoded to their end, and problems cancelled mid-step (the hf engine's `cancel`,
+    as `kvflow serve` cancels a request whose client went away), leave no KV cache with rows and
+    no scheduler problem alive once the run is over, with Python's cyclic GC off: every state is
+    freed with its last reference (issue 40: caches in reference cycles made a server's memory
+    creep between the GC's rare full collections)."""
+    import gc
+
+    from kvflow.backends.hf.cache import BudgetedCache
+    from kvflow.runtime import scheduler
+
+    base_runner, helper_runner = tiny_runner("qwen2", seed=1), tiny_runner("llama", seed=2)
+    base = Proposer("base", base_runner, RandomEvictor(RandomEvictor.Params(budget=24, buffer=8, window=4)),
+                    spec("base", n=2, temperature=1.0, max_step_tokens=12))
+    helper = Proposer("helper", helper_runner, NoEviction(NoEviction.Params()),
+                      spec("helper", n=2, temperature=1.0, max_step_tokens=12))
+    plan = make_plan([base, helper], max_tokens=40, seed=3)
+    trajs = [Trajectory(f"p{i}", QUESTIONS[i % 2], prompts()[i % 2]) for i in range(4)]
+    gone = {"p1", "p3"}  # cancelled after their first step, mid-way through the second
+    ticks: dict[str, int] = {}
+
+    def cancelled(traj):
+        ticks[traj.problem_id] = ticks.get(traj.problem_id, 0) + (len(traj.steps) == 1)
+        return traj.problem_id in gone and ticks[traj.problem_id] > 3
+
+    done = []
+    gc.collect()
+    gc.disable()
+    try:
+        run_scheduler(plan, trajs, done.append, cancelled=cancelled)
+        assert sorted(t.finish == "cancelled" for t in done) == [False, False, True, True]
+        for engine in (base_runner, helper_runner):
+            engine.step()  # idle: its row pools emptied
+        alive = [o for o in gc.get_objects() if isinstance(o, BudgetedCache) and o.n_rows]
+        problems = [o for o in gc.get_objects() if isinstance(o, scheduler._Problem)]
+        assert not alive and not problems, (len(alive), len(problems))
+    finally:
+        gc.enable()

@@ -311,7 +311,11 @@ class Engine(Protocol):
     # ones before it and the `top` likeliest at each position (kvflow.backends.hf.scoring;
     # `kvflow serve`'s echo + logprobs completions need it);
     # `close()`: the holder is done with it (a Session's end; called once per model key that
-    # loaded it), so that a backend sharing engines between holders may free them
+    # loaded it), so that a backend sharing engines between holders may free them;
+    # `cancel(requests) -> list[Proposal]` (added in kvflow 0.1.x, issue 40): stop these submitted
+    # proposals now, returning them (queued ones with no candidates, running ones with their
+    # tokens so far, finish `cancelled`) for `release`; the scheduler calls it for a cancelled
+    # problem (a served request gone) so its rows stop decoding before the step's end
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` without special tokens."""

@@ -52,11 +52,19 @@ class Candidate:
 
 @dataclass
 class Step:
+    """One committed step. `n_tokens` counts it in the base model's tokens. `token_ids` and
+    `logprobs` are the committed candidate's own (its `source` proposer's tokenizer and model:
+    each token's temperature-1 log-probability when that proposer sampled it, over that
+    proposer's cache, evicted or not), without a final EOS token, so that `token_ids` decode to
+    `text`; empty in steps built by hand."""
+
     text: str
     source: str
     score: Optional[float]
     n_tokens: int
     fallback: bool = False  # committed although every candidate had been pruned
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass

@@ -172,8 +172,8 @@ class RunConfig(Frozen):
 
 #: request fields a pipeline decides (its proposers' sampling, one answer per request, no tools):
 #: `kvflow serve` refuses a request that sets one (400 naming it) unless `serve.ignore` lists it
-SERVE_IGNORABLE = ("temperature", "top_p", "n", "logprobs", "top_logprobs", "tools", "tool_choice",
-                   "response_format", "presence_penalty", "frequency_penalty", "logit_bias")
+SERVE_IGNORABLE = ("temperature", "top_p", "n", "tools", "tool_choice", "response_format", "presence_penalty",
+                   "frequency_penalty", "logit_bias")
 
 
 class ServeConfig(Frozen):

@@ -27,7 +27,9 @@ request's `seed`, several requests may share one, while problem ids stay unique)
 Cancellation (`run(..., cancelled=)`): a problem for which `cancelled(traj)` is true when its
 proposals have all ended (a step boundary) is not scored or committed: its states and
 proposals are released in every engine and its scorer state dropped, its `finish` is set to
-"cancelled" (unless already set) and it goes to `on_done` like a finished one.
+"cancelled" (unless already set) and it goes to `on_done` like a finished one. An engine
+with the optional `cancel(requests)` (hf) stops such a problem's proposals after the decode
+step in which `cancelled` turned true, instead of decoding them to the step's end.
 
 Engines overlap (`Plan.overlap`, `run.overlap_engines`): when several engines have rows to
 decode, each engine that computes in this process (an `hf` model, on its own device) steps on
@@ -151,6 +153,7 @@ class _Problem:
         self.kv_bytes = kv_bytes  # what it reserves of run.kv_memory while in flight
         self.states: dict[str, object] = {}
         self.proposals: dict[str, Proposal] = {}
+        self.requests: dict[str, ProposeRequest] = {}  # proposals decoding, by proposer (for `cancel`)
         self.waiting: set[str] = set()
         self.admit(clock)
 
@@ -299,11 +302,11 @@ def _loop(plan: Plan, source, on_done, clock, occupancy: Occupancy, overlap: "_O
             if together:
                 occupancy.overlapped[name] = occupancy.overlapped.get(name, 0) + 1
             for proposal in finished:
-                problem, proposer = proposal.request.tag
-                problem.proposals[proposer] = proposal
-                problem.waiting.discard(proposer)
+                _ended(proposal)
         if on_tick is not None:
             on_tick(len(live))
+        if cancelled is not None:
+            _cancel_proposing(plan, live, cancelled)
         ready = [p for p in live if not p.waiting]
         if cancelled is not None and ready:
             dropped = [p for p in ready if cancelled(p.traj)]
@@ -414,6 +417,30 @@ class _Overlap:
         self.threads.clear()
 
 
+def _cancel_proposing(plan: Plan, live: Sequence[_Problem], cancelled) -> None:
+    """Cancelled problems whose proposals are still decoding: on an engine that can stop them
+    (the optional `Engine.cancel`) they end now, not at their step's end, so the problem is
+    ready and dropped this round; other engines decode them to the step boundary."""
+    for prop in plan.proposers:
+        cancel = getattr(prop.engine, "cancel", None)
+        if cancel is None:
+            continue
+        going = [p for p in live if prop.name in p.waiting and cancelled(p.traj)]
+        if going:
+            for proposal in cancel([p.requests[prop.name] for p in going]):
+                _ended(proposal)
+
+
+def _ended(proposal: Proposal) -> None:
+    """A proposal handed back by its engine: its problem holds it until sync or release. The
+    request is no longer held (it refers back to the problem: a cycle that would keep the
+    states it carries for Python's cyclic GC)."""
+    problem, proposer = proposal.request.tag
+    problem.proposals[proposer] = proposal
+    problem.requests.pop(proposer, None)
+    problem.waiting.discard(proposer)
+
+
 def _drop(plan: Plan, problems: Sequence[_Problem], clock) -> None:
     """Cancelled problems at a step boundary: their states and proposals released in every
     engine, their scorer state dropped."""
@@ -454,6 +481,7 @@ def _submit(plan: Plan, problems: Sequence[_Problem], key=_problem_key) -> None:
             seed = row_seed(plan.seed, key(t), prop.name, len(t.steps))
             requests.append(ProposeRequest(p.states[prop.name], prop.name, prop.spec, seed,
                                            plan.limits.max_tokens - t.committed_tokens, tag=(p, prop.name)))
+            p.requests[prop.name] = requests[-1]
             p.waiting.add(prop.name)
         prop.engine.submit(requests)
 
@@ -553,7 +581,9 @@ def _score(scorer: Scorer, trajs: Sequence[Trajectory], candidates: Sequence[Seq
 def _commit(traj: Trajectory, winner: Candidate, base: Proposer, *, fallback: bool) -> None:
     n_tokens = winner.n_tokens if winner.source == base.name else len(base.engine.encode(winner.text))
     score = None if winner.score is None or math.isnan(winner.score) else winner.score
-    traj.steps.append(Step(winner.text, winner.source, score, n_tokens, fallback))
+    kept = winner.n_tokens - 1 if winner.finish == "eos" else winner.n_tokens  # the EOS is not in the text
+    traj.steps.append(Step(winner.text, winner.source, score, n_tokens, fallback,
+                           token_ids=winner.token_ids[:kept], logprobs=winner.logprobs[:kept]))
     traj.committed_tokens += n_tokens
 
 

@@ -20,8 +20,16 @@ A streamed answer is one SSE event per committed step (`delta.content` the step'
 `kvflow` its facts); the last event has `finish_reason` and `usage`, then `data: [DONE]`. A
 client that goes away (a closed connection: a crashed harness, an SDK's timeout) cancels its
 request, streamed or not: the stream's generator is closed, or the non-streamed wait sees the
-`http.disconnect` message at once, and the engine thread drops the trajectory at its next step
-boundary (the response is logged as 499, the nginx code for a client that closed).
+`http.disconnect` message at once, and the engine thread cancels the trajectory (its rows stop
+after the current token on an hf engine, at the step boundary elsewhere; the response is
+logged as 499, the nginx code for a client that closed).
+
+Answer logprobs (chat `logprobs: true`, completions `logprobs: 0`): each answer token with
+the log-probability its proposer sampled it at (kvflow.components.records.Step keeps the
+committed candidate's tokens and logprobs; kvflow.serve.loop cuts them with the answer), in
+OpenAI's shapes (kvflow.serve.protocol.answer_logprobs). Given only where every proposer
+tokenizes as the base model does (`logprobs_problem`), else 400; alternatives (top-k > 0) are
+kept by no engine: 400. Either is answered without them when `serve.ignore` lists the field.
 
 A scoring request (completions with `echo: true`, `max_tokens` 0 or 1, `logprobs` k: an
 evaluation harness's loglikelihood request) is not a problem: each prompt is scored by the
@@ -44,8 +52,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvflow.serve.loop import Job, Loop
 from kvflow.serve.metrics import Metrics
-from kvflow.serve.protocol import (ApiError, chunk, models_list, now, parse_chat, parse_completion, response,
-                                   scored_choice, scored_response)
+from kvflow.serve.protocol import (ApiError, answer_logprobs, chunk, ignored, models_list, now, parse_chat,
+                                   parse_completion, response, scored_choice, scored_response)
 
 
 @dataclass
@@ -66,6 +74,7 @@ class Service:
     clamp_max_tokens: bool = False
     metrics_public: bool = False  # /metrics without the API key (--metrics-public)
     context: Optional[int] = None  # the base model's context in tokens, where known
+    logprobs_problem: Optional[str] = None  # why answers cannot carry token logprobs (kvflow.serve.loop)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -218,6 +227,8 @@ async def _complete(service: Service, request: Request, parse) -> Any:
                 clamp=service.clamp_max_tokens)
     if req.echo:
         return await _score(service, req)
+    if req.token_logprobs:
+        _check_logprobs(service, req)
     if req.prompt_ids is not None:
         req.prompt = _decode_ids(service, req.prompt_ids)
     prompt, question = service.render(req)
@@ -238,6 +249,26 @@ async def _complete(service: Service, request: Request, parse) -> Any:
     return await _whole(service, job, request, created, headers)
 
 
+def _check_logprobs(service: Service, req) -> None:
+    """Whether the answer's token log-probabilities can be given (see the module docstring): 400
+    naming the field where not, unless `serve.ignore` lists it (then the answer has none)."""
+    field = "top_logprobs" if req.kind == "chat" else "logprobs"
+    if service.logprobs_problem:
+        if ignored("logprobs", service.ignore):
+            req.token_logprobs, req.top_logprobs = False, 0
+            return
+        raise ApiError(400, f"`logprobs` cannot be given by this pipeline: {service.logprobs_problem}",
+                       param="logprobs", code="unsupported_field")
+    if req.top_logprobs:
+        if ignored(field, service.ignore):
+            req.top_logprobs = 0
+            return
+        k = "`top_logprobs`" if req.kind == "chat" else "`logprobs` k"
+        zero = "`top_logprobs: 0`" if req.kind == "chat" else "`logprobs: 0`"
+        raise ApiError(400, f"{k} > 0 asks for each token's alternatives, which no engine keeps: ask for {zero} "
+                            f"(each answer token's own log-probability)", param=field, code="unsupported_field")
+
+
 async def _until_disconnect(request: Request) -> None:
     """Returns once the client has gone (its body was read: the next message is the disconnect)."""
     while True:
@@ -247,7 +278,7 @@ async def _until_disconnect(request: Request) -> None:
 
 
 async def _whole(service: Service, job: Job, request: Request, created: int, headers: dict):
-    text = []
+    text, tokens = [], []
     gone = asyncio.ensure_future(_until_disconnect(request))
     try:
         while True:
@@ -260,10 +291,11 @@ async def _whole(service: Service, job: Job, request: Request, created: int, hea
             event = event.result()
             if event[0] == "step":
                 text.append(event[1])
+                tokens += event[3]
             elif event[0] == "end":
                 facts = {"request_id": job.rid, "steps": job.steps, "finish": job.traj.finish if job.traj else None}
-                return JSONResponse(response(job.req, job.rid, created, "".join(text), event[1], event[2], facts),
-                                    headers=headers)
+                return JSONResponse(response(job.req, job.rid, created, "".join(text), event[1], event[2], facts,
+                                             answer_logprobs(job.req, tokens)), headers=headers)
             else:
                 _, status, message, code = event
                 raise ApiError(status, message, code=code)
@@ -291,7 +323,7 @@ async def _score(service: Service, req) -> Any:
         if service.context and len(ids) + req.max_tokens > service.context:
             raise ApiError(400, f"the prompt is {len(ids)} tokens; the base model's context is {service.context}",
                            param="prompt", code="context_length_exceeded")
-    k = max(1, req.logprobs)
+    k = max(1, req.top_logprobs)
     scored = []
     for ids in prompts:
         scored.append(await service.loop.call(lambda ids=ids: base.prompt_logprobs(ids, k)))
@@ -303,7 +335,7 @@ async def _score(service: Service, req) -> Any:
         if req.max_tokens == 1:
             token, lp = got.next[0]
             completion = (piece(token), lp, [(piece(t), v) for t, v in got.next])
-        choices.append(scored_choice(index, [piece(i) for i in ids], got.logprobs, top, completion, req.logprobs,
+        choices.append(scored_choice(index, [piece(i) for i in ids], got.logprobs, top, completion, req.top_logprobs,
                                      "length"))
     return JSONResponse(scored_response(req, f"cmpl-score-{now()}", now(), choices, sum(map(len, prompts))))
 
@@ -369,11 +401,14 @@ def _tokenizer_info(service: Service) -> dict:
 async def _stream(service: Service, job: Job, created: int):
     first = True
     ended = False
+    sent = 0  # characters streamed: the offset of the next chunk's tokens (completions' logprobs)
     try:
         while True:
             event = await job.events.get()
             if event[0] == "step":
-                yield _sse(chunk(job.req, job.rid, created, event[1], facts=event[2], first=first))
+                yield _sse(chunk(job.req, job.rid, created, event[1], facts=event[2], first=first,
+                                 logprobs=answer_logprobs(job.req, event[3], sent)))
+                sent += sum(len(t) for t, _ in event[3])
                 first = False
             elif event[0] == "end":
                 yield _sse(chunk(job.req, job.rid, created, "" if first else None, finish_reason=event[1],

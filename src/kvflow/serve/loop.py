@@ -11,8 +11,14 @@ accepted requests, `submit` refuses with 429.
 
 A request's answer may end before its trajectory does: at a `stop` string, at its own
 `max_tokens`, when its client goes away, or when the grace period of a shutdown is over. The
-trajectory is then cancelled (the scheduler's `cancelled=`): at its next step boundary its
-rows are released in every engine and its scorer state dropped, so engines return to idle.
+trajectory is then cancelled (the scheduler's `cancelled=`): on an engine that can stop
+proposals mid-step (`Engine.cancel`: hf) after the current decode step, elsewhere at its next
+step boundary, its rows are released in every engine and its scorer state dropped, so engines
+return to idle.
+While a shutdown drains, the engine thread stops at once, mid-step, when no accepted request
+has an answer still going (`_Drained`, checked after every decode step): the trajectories
+left (on engines without `cancel`) are not decoded to their step boundary; those answered in
+full are recorded as usual.
 A request's rows are seeded by its `seed` (`seed_key=`: a request with `seed: i` is seeded as
 `kvflow run` seeds the problem whose id is `<dataset.name>/<i>`, the i-th line of a
 `dataset.path` file without an id field), so its committed steps do not depend on what else is
@@ -81,6 +87,7 @@ class Loop:
         self.max_live = plan.room_in_problems()  # by count, or the most run.kv_memory can admit
         self.capacity = self.max_live + queue
         self.base = plan.proposers[0].engine
+        self.tokenizers = {p.name: p.engine.tokenizer for p in plan.proposers}  # a step's tokens, by its source
         self.cv = threading.Condition()
         self.queue: deque[Job] = deque()
         self.jobs: dict[str, Job] = {}  # admitted, by request id (= problem id)
@@ -132,7 +139,7 @@ class Loop:
         return asyncio.wrap_future(future)
 
     def cancel(self, job: Job) -> None:
-        """The client went away: its trajectory ends at its next step boundary (or is never admitted)."""
+        """The client went away: its trajectory is cancelled (see the module docstring), or never admitted."""
         with self.cv:
             job.gone = True
             if job in self.queue:
@@ -175,6 +182,12 @@ class Loop:
                                     cancelled=self._cancelled, seed_key=self._seed_key)
                 self._run_calls(refuse="the server shut down")
                 return  # the source ended: a drained shutdown
+            except _Drained:  # mid-step: every answer has ended, nothing more to decode
+                for job in list(self.jobs.values()):
+                    job.traj.finish = job.traj.finish or "cancelled"
+                    self._on_done(job.traj)
+                self._run_calls(refuse="the server shut down")
+                return
             except BaseException as exc:  # noqa: BLE001 - every fault is answered, see the module docstring
                 who, engine = self._blame(exc)
                 message = f"{who} failed: {type(exc).__name__}: {exc}"
@@ -224,6 +237,10 @@ class Loop:
         for job in jobs:
             self._emit(job)
         self._run_calls()
+        with self.cv:
+            if self.stopping and not self.queue and all(j.finish_reason is not None or j.gone
+                                                        for j in self.jobs.values()):
+                raise _Drained  # a shutdown with no answer left to give: stop decoding now
 
     def _run_calls(self, refuse: Optional[str] = None) -> None:
         """Run (or, with `refuse`, fail) the work `call` queued for this thread."""
@@ -280,6 +297,7 @@ class Loop:
                 if n_tokens > room:
                     text = self.base.tokenizer.decode(self.base.encode(text)[:room])
                 n_tokens, finish = room, finish or "length"
+            tokens = self._step_logprobs(step, text) if job.req.token_logprobs else []
             facts = step_facts(job.emitted, step, traj)
             facts["candidates"] = _delta(traj.candidates, job.counts[0])
             facts["pruned"] = _delta(traj.pruned, job.counts[1])
@@ -291,9 +309,22 @@ class Loop:
             if job.first_step is None:
                 job.first_step = time.perf_counter() - job.arrived
             self.metrics.step(step.source)
-            job.push(("step", text, facts))
+            job.push(("step", text, facts, tokens))
             if finish:
                 self._end(job, finish)
+
+    def _step_logprobs(self, step, sent: str) -> list[tuple[str, float]]:
+        """(text, log-probability) of the committed step's tokens whose text was sent: all of
+        them, or, where a stop string or max_tokens cut the step to `sent`, the longest prefix
+        of its tokens that decodes within it."""
+        tok = self.tokenizers[step.source]
+        ids = step.token_ids
+        keep = len(ids)
+        if len(sent) < len(step.text):
+            keep = 0
+            while keep < len(ids) and len(tok.decode(ids[:keep + 1])) <= len(sent):
+                keep += 1
+        return [(tok.decode([i]), float(v)) for i, v in zip(ids[:keep], step.logprobs[:keep])]
 
     def _end(self, job: Job, reason: str) -> None:
         job.finish_reason = reason
@@ -359,6 +390,12 @@ class Loop:
         return "the step scheduler", True
 
 
+class _Drained(Exception):
+    """Out of the scheduler, from `_on_tick`: a draining server has no answer left to give, so
+    the trajectories still decoding (answers ended at a stop string or max_tokens, cancelled,
+    or failed at the grace period's end) are not decoded to their step boundary."""
+
+
 class _GuardedScorer:
     """The plan's scorer, whose batched `score` (requests of several problems) that raises is
     called again problem by problem: a problem whose own call raises is reported to `on_fault`
@@ -387,6 +424,20 @@ class _GuardedScorer:
             except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
                 self.on_fault(pid, exc)
         return out
+
+
+def logprobs_problem(plan) -> Optional[str]:
+    """Why this pipeline's answers cannot carry their tokens' log-probabilities, or None. Every
+    committed step keeps its candidate's tokens and their log-probabilities (kvflow.components.
+    records.Step), in its proposer's tokenizer: the answer is one sequence of tokens only where
+    every proposer tokenizes as the base model does."""
+    base = plan.proposers[0]
+    vocab = base.engine.tokenizer.get_vocab()
+    for p in plan.proposers[1:]:
+        if p.engine.tokenizer.get_vocab() != vocab:
+            return (f"proposer `{p.name}`'s model has another tokenizer than the base model's "
+                    f"(proposer `{base.name}`): a step it commits is not in the base model's tokens")
+    return None
 
 
 def _component_names(plan) -> dict[int, tuple[str, bool]]:

@@ -13,13 +13,17 @@ may ask for:
   the `kvflow run` problem whose id is `<dataset.name>/<i>` of the same pipeline, the i-th
   line of a `dataset.path` file without an id field), `stop` (up to 4 strings; the answer
   is cut before the first one and ends there), `stream`, `stream_options.include_usage`,
-  `user`;
+  `user`, and the log-probabilities of the answer's tokens (`logprobs: true` on chat,
+  `logprobs: 0` on completions: `Request.token_logprobs`; see kvflow.serve.app for which
+  pipelines give them and what they mean). Their top-k alternatives (`top_logprobs` k > 0,
+  completions' `logprobs` k > 0: `Request.top_logprobs`) are parsed but no engine keeps them,
+  so the app refuses them;
 - a scoring request (completions with `echo: true`, `max_tokens` 0 or 1, `logprobs` k >= 0:
   what an evaluation harness sends for loglikelihood tasks): the prompt, or a batch of them
   (strings or token ids), scored by the base model with a full cache, not decoded by the
   pipeline (`Request.echo`; see kvflow.serve.app);
-- decided by the pipeline (`SERVE_IGNORABLE`: `temperature`, `top_p`, `n` > 1, `logprobs`,
-  tools, `response_format`, penalties, `logit_bias`): refused with a 400 naming the field,
+- decided by the pipeline (`SERVE_IGNORABLE`: `temperature`, `top_p`, `n` > 1, tools,
+  `response_format`, penalties, `logit_bias`): refused with a 400 naming the field,
   unless the pipeline's `serve.ignore` lists it (then accepted and ignored);
 - anything else: 400 (an unknown field is refused rather than silently dropped), unless
   `serve.ignore` lists it or is `"*"` (every field not honoured is then ignored).
@@ -78,29 +82,31 @@ class Request:
     prompt_ids: Optional[list[int]] = None  # completion given as token ids (the base tokenizer's)
     clamped_from: Optional[int] = None  # the max_tokens asked for, when serve.clamp_max_tokens lowered it
     echo: bool = False  # a scoring request (see the module docstring)
-    logprobs: int = 0  # top alternatives per token of a scoring request
     prompts: list = field(default_factory=list)  # a scoring request's prompts: str or list[int] each
+    token_logprobs: bool = False  # the answer's tokens with their log-probabilities (chat `logprobs: true`,
+    # completions `logprobs: k`)
+    top_logprobs: int = 0  # alternatives asked for per token (chat `top_logprobs`, completions' `logprobs` k)
 
 
 # fields each endpoint honours (besides the ignorable ones)
 _CHAT = {"model", "messages", "max_tokens", "max_completion_tokens", "seed", "stop", "stream", "stream_options",
-         "user", "n"}
+         "user", "n", "logprobs", "top_logprobs"}
 _COMPLETION = {"model", "prompt", "max_tokens", "seed", "stop", "stream", "stream_options", "user", "n", "echo",
-               "best_of", "suffix"}
+               "best_of", "suffix", "logprobs"}
 
 
-def _ignored(name: str, ignore: frozenset) -> bool:
+def ignored(name: str, ignore: frozenset) -> bool:
     return name in ignore or "*" in ignore
 
 
 def _refuse_fixed(body: dict, ignore: frozenset, scoring: bool) -> None:
     for name in SERVE_IGNORABLE:
-        if name not in body or _ignored(name, ignore):
+        if name not in body or ignored(name, ignore):
             continue
-        if scoring and (name == "logprobs" or (name == "temperature" and body[name] in (0, 0.0))):
-            continue  # a scoring request is greedy, and its logprobs are what it asks for
+        if scoring and name == "temperature" and body[name] in (0, 0.0):
+            continue  # a scoring request is greedy
         value = body[name]
-        if value is None or (name == "n" and value == 1) or (name in ("logprobs",) and value is False):
+        if value is None or (name == "n" and value == 1):
             continue  # the OpenAI default spelled out asks for nothing
         raise ApiError(400, f"`{name}` is decided by the pipeline (its proposers' sampling, one answer per request, "
                             f"no tools) and cannot be set per request; leave it out, or list it in the pipeline's "
@@ -111,7 +117,7 @@ def _common(body: Any, allowed: set, ignore: frozenset, served_model: str, max_t
             clamp: bool = False) -> Request:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    unknown = sorted(k for k in body if k not in allowed and k not in SERVE_IGNORABLE and not _ignored(k, ignore))
+    unknown = sorted(k for k in body if k not in allowed and k not in SERVE_IGNORABLE and not ignored(k, ignore))
     if unknown:
         raise ApiError(400, f"unknown field `{unknown[0]}` (kvflow serve refuses what it would not honour; the "
                             f"pipeline's `serve.ignore` may list it to have it accepted and ignored)",
@@ -192,6 +198,16 @@ def parse_chat(body: Any, *, ignore: frozenset, served_model: str, max_tokens_li
             raise ApiError(400, f"{where}.content must be a string", param=f"{where}.content")
         out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
     req.messages = out
+    want = body.get("logprobs")
+    if want not in (None, True, False):
+        raise ApiError(400, "`logprobs` must be true or false", param="logprobs")
+    top = body.get("top_logprobs")
+    if top is not None:
+        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_LOGPROBS:
+            raise ApiError(400, f"`top_logprobs` must be an integer from 0 to {MAX_LOGPROBS}", param="top_logprobs")
+        if top and not want:
+            raise ApiError(400, "`top_logprobs` needs `logprobs: true`", param="top_logprobs")
+    req.token_logprobs, req.top_logprobs = bool(want), top or 0
     return req
 
 
@@ -200,7 +216,7 @@ def parse_completion(body: Any, *, ignore: frozenset, served_model: str, max_tok
     """A `POST /v1/completions` body, validated (see the module docstring)."""
     req = _common(body, _COMPLETION, ignore, served_model, max_tokens_limit, "completion", clamp)
     for name, default in (("best_of", 1), ("suffix", None)):
-        if body.get(name) not in (None, default) and not _ignored(name, ignore):
+        if body.get(name) not in (None, default) and not ignored(name, ignore):
             raise ApiError(400, f"`{name}` is not supported by kvflow serve", param=name, code="unsupported_field")
     echo = body.get("echo")
     if echo not in (None, False, True):
@@ -215,8 +231,13 @@ def parse_completion(body: Any, *, ignore: frozenset, served_model: str, max_tok
             raise ApiError(400, "a scoring request (`echo`) is not streamed", param="stream")
         if len(prompts) > MAX_SCORED_PROMPTS:
             raise ApiError(400, f"at most {MAX_SCORED_PROMPTS} prompts per scoring request", param="prompt")
-        req.echo, req.logprobs, req.prompts = True, k, prompts
+        req.echo, req.top_logprobs, req.prompts = True, k, prompts
         return req
+    k = body.get("logprobs")
+    if k is not None:
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS:
+            raise ApiError(400, f"`logprobs` must be an integer from 0 to {MAX_LOGPROBS}", param="logprobs")
+        req.token_logprobs, req.top_logprobs = True, k
     if len(prompts) != 1:
         raise ApiError(400, "`prompt` must be one prompt (batches of prompts are served for scoring requests, "
                             "`echo: true`, only): send one request per prompt", param="prompt")
@@ -260,9 +281,32 @@ def usage(prompt_tokens: int, completion_tokens: int, traj) -> dict:
             "tokens_by_proposer": dict(traj.tokens_generated) if traj is not None else {}}
 
 
+#: a log-probability JSON cannot carry (-inf): what vLLM sends in its place
+FLOOR_LOGPROB = -9999.0
+
+
+def answer_logprobs(req: Request, tokens: list[tuple[str, float]], offset: int = 0) -> Optional[dict]:
+    """The `logprobs` of a choice (or of a stream chunk) holding the answer tokens `tokens`
+    ((text, log-probability) each): chat's `{"content": [{token, logprob, bytes, top_logprobs}]}`,
+    completions' `{tokens, token_logprobs, top_logprobs, text_offset}` (offsets into the answer,
+    its earlier chunks' `offset` characters first). None when the request did not ask for them.
+    No alternatives are kept (`top_logprobs` is [] / None: see kvflow.serve.app)."""
+    if not req.token_logprobs:
+        return None
+    values = [v if math.isfinite(v) else FLOOR_LOGPROB for _, v in tokens]
+    if req.kind == "chat":
+        return {"content": [{"token": t, "logprob": v, "bytes": list(t.encode("utf-8")), "top_logprobs": []}
+                            for (t, _), v in zip(tokens, values)], "refusal": None}
+    offsets = []
+    for t, _ in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": [t for t, _ in tokens], "token_logprobs": values, "top_logprobs": None, "text_offset": offsets}
+
+
 def chunk(req: Request, rid: str, created: int, text: Optional[str], *, facts: Optional[dict] = None,
           finish_reason: Optional[str] = None, usage_: Optional[dict] = None, first: bool = False,
-          choices: bool = True) -> dict:
+          choices: bool = True, logprobs: Optional[dict] = None) -> dict:
     """One stream chunk (`chat.completion.chunk` or `text_completion`)."""
     if req.kind == "chat":
         delta: dict = {}
@@ -270,10 +314,10 @@ def chunk(req: Request, rid: str, created: int, text: Optional[str], *, facts: O
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
         out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model}
     else:
-        choice = {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
+        choice = {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": logprobs}
         out = {"id": rid, "object": "text_completion", "created": created, "model": req.model}
     out["choices"] = [choice] if choices else []
     if usage_ is not None:
@@ -284,14 +328,14 @@ def chunk(req: Request, rid: str, created: int, text: Optional[str], *, facts: O
 
 
 def response(req: Request, rid: str, created: int, text: str, finish_reason: str, usage_: dict,
-             facts: dict) -> dict:
+             facts: dict, logprobs: Optional[dict] = None) -> dict:
     """A whole (non-streamed) answer, kvflow's facts of every step once under `kvflow`."""
     if req.kind == "chat":
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason,
-                  "logprobs": None}
+                  "logprobs": logprobs}
         kind = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+        choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
         kind = "text_completion"
     return {"id": rid, "object": kind, "created": created, "model": req.model, "choices": [choice],
             "usage": usage_, "kvflow": facts}

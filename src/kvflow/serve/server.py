@@ -5,7 +5,8 @@ against the API key, the serve extra installed, the models obtainable, the recor
 directory), enters one `kvflow.runtime.session.Session` for the life of the process, starts
 the engine thread (kvflow.serve.loop) and runs uvicorn on the app (kvflow.serve.app) in this
 thread. SIGTERM or SIGINT: drain (new requests get 503 and /health says "draining", the
-socket stays open), let what was accepted finish within `grace` seconds, cancel the rest,
+socket stays open), let what was accepted finish within `grace` seconds, cancel the rest
+(the engine thread stops, mid-step, once no accepted request has an answer still going),
 then stop uvicorn and the engine thread, leave the Session (engines and their worker
 processes stopped), return 0. A second SIGINT cuts the drain short. An engine that dies
 stops the server too; then it returns 1.
@@ -92,7 +93,7 @@ def serve(loaded: LoadedPipeline, registry, *, host: str = "127.0.0.1", port: in
     from kvflow.runtime.core import append_record, manifest
     from kvflow.runtime.session import Session
     from kvflow.serve.app import Service, build_app
-    from kvflow.serve.loop import Loop
+    from kvflow.serve.loop import Loop, logprobs_problem
     from kvflow.serve.metrics import Metrics
     from kvflow.serve.protocol import now
 
@@ -116,7 +117,7 @@ def serve(loaded: LoadedPipeline, registry, *, host: str = "127.0.0.1", port: in
                           max_body_bytes=pipe.serve.max_body_bytes, ignore=frozenset(pipe.serve.ignore),
                           retry_after=pipe.serve.retry_after, api_key=api_key, created=now(),
                           clamp_max_tokens=pipe.serve.clamp_max_tokens, metrics_public=metrics_public,
-                          context=context)
+                          context=context, logprobs_problem=logprobs_problem(session.plan))
         app = build_app(service)
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                                 timeout_graceful_shutdown=max(1, int(grace) + 5), lifespan="off")

@@ -34,6 +34,7 @@ sees each head's tokens gathered contiguously ([0, k_h) then [K_l, length)).
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional, Sequence
 
 import torch
@@ -85,11 +86,18 @@ class BudgetedLayer(CacheLayerMixin):
 
     def __init__(self, cache: "BudgetedCache", index: int) -> None:
         super().__init__()
-        self.cache = cache
+        # a weak reference: the cache holds its layers, and a layer holding its cache back would
+        # make each cache a reference cycle, whose KV tensors only Python's cyclic GC frees (rarely:
+        # a server's resident memory crept by tens of MiB between its full collections, issue 40)
+        self._cache = weakref.ref(cache)
         self.index = index
         self.queries: Optional[torch.Tensor] = None  # [rows, q_heads, W, head_dim]
         self.stats: Optional[torch.Tensor] = None  # [rows, kv_heads, capacity] float32 (observing evictors)
         self.qstore: Optional[QuantizedStore] = None  # slots [0, n_quantized) of each row (quantized caches)
+
+    @property
+    def cache(self) -> "BudgetedCache":
+        return self._cache()
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         rows, kv_heads, _, head_dim = key_states.shape

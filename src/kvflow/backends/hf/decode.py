@@ -31,7 +31,8 @@ from kvflow.timing import NULL_CLOCK
 
 # finish codes in the row table; pruner k of a proposal's spec is _PRUNED + k
 _LIVE, _EOS, _DELIMITER, _CAP, _PRUNED = 0, 1, 2, 3, 4
-_FINISH = {_EOS: "eos", _DELIMITER: "delimiter", _CAP: "max_step_tokens"}
+_CANCELLED = -1  # stopped by `cancel` (its problem was cancelled mid-step)
+_FINISH = {_EOS: "eos", _DELIMITER: "delimiter", _CAP: "max_step_tokens", _CANCELLED: "cancelled"}
 
 
 @dataclass
@@ -227,6 +228,23 @@ class HFEngine:
 
     def busy_rows(self) -> int:
         return sum(len(r.live) for r in self.running) + sum(q.spec.n for q in self.waiting)
+
+    @torch.inference_mode()
+    def cancel(self, requests: Sequence[ProposeRequest]) -> list[Proposal]:
+        """Stop these proposals now (optional Engine method, kvflow.components.engine): a queued
+        one never starts (no candidates), a running one leaves the batch with its candidates'
+        tokens so far (finish `cancelled` for the rows still live) and its rows are freed at
+        the next step. The proposals are returned, for `release`."""
+        ids = {id(r) for r in requests}
+        out = [Proposal(q, [], handle=None) for q in self.waiting if id(q) in ids]
+        if out:
+            self.waiting = deque(q for q in self.waiting if id(q) not in ids)
+        for r in [r for r in self.running if id(r.request) in ids]:
+            self.table.finish[r.rows[r.live]] = _CANCELLED
+            self.running.remove(r)
+            out.append(self._finish(r))
+            self._lay = None
+        return out
 
     @torch.inference_mode()
     def step(self, max_rows: Optional[int] = None) -> list[Proposal]:
