@@ -16,11 +16,12 @@ EXAMPLE_PLUGINS := $(sort $(wildcard plugins/kvflow-example-*))
 # Install the dev, docs, ray and serve extras, SGLang, vLLM's own environment (.venv-vllm) and the example
 # plugins, then run the test suite (which also builds the docs, strict, and runs the example plugins'
 # tests: see pyproject testpaths).
+TEST_WORKERS ?= 2
 test:
 	bash scripts/install.sh dev,docs,sglang,ray,serve,vllm
 	$(VENV)/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps \
 		$(addprefix -e ,$(EXAMPLE_PLUGINS))
-	$(VENV)/bin/python -m pytest
+	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # The quick tier, for work in progress (in the environment `make test` installed): every module
 # at unit level, without the tests that start SGLang engines, a Ray cluster, a browser or runs

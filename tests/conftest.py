@@ -175,6 +175,10 @@ def pytest_configure(config):
     import torch
 
     torch.set_num_threads(1)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # `make test` runs two workers on two cores: the engines and `kvflow run` subprocesses a
+        # test starts get one thread each too, instead of two workers' worth of spinning threads
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
     # every SGLang engine the tests start runs kvflow's decode hooks as a replayed CUDA graph
     # would (captured once per batch size, replayed after: kvflow.backends.sglang.replay), so
     # that hooks a GPU's decode graphs would skip fail here (tests/test_sglang_replay.py)
@@ -220,9 +224,15 @@ def _slow(item) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    slow_files = set()
     for item in items:
         if _slow(item):
             item.add_marker(pytest.mark.slow)
+            slow_files.add(item.fspath)
+    # Files with slow tests first (stable otherwise): `make test` hands whole files to its two
+    # workers (xdist's loadfile) in this order, and the long ones started first finish together
+    # instead of one worker idling while the other runs a late engine suite.
+    items.sort(key=lambda item: item.fspath not in slow_files)
 
 
 def require_ray() -> None:

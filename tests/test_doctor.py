@@ -43,4 +43,5 @@ def test_doctors_sglang_check_passes_and_leaves_no_engine_behind(tmp_path):
     directory = tiny_model_dir(tmp_path, "qwen2", seed=3)
     before = set(_SHARED)
     assert doctor._sglang_parity(directory, "cpu") is None
-    assert set(_SHARED) == before
+    # nothing of its own stays; an idle engine of an earlier test may have been closed for it
+    assert not set(_SHARED) - before

@@ -43,8 +43,9 @@ def serve(
     step as it is committed, with kvflow's facts (source proposer, score, candidates,
     pruned) in a `kvflow` field. Past `serve.queue` waiting requests, 429.
 
-    `max_tokens`, `seed` and `stop` are honoured; fields the pipeline decides
-    (`temperature`, `top_p`, `n` > 1, `logprobs`, tools, `response_format`) are refused with
+    `max_tokens`, `seed`, `stop` and `logprobs` (each answer token's log-probability, as its
+    proposer sampled it; see docs/serve.md) are honoured; fields the pipeline decides
+    (`temperature`, `top_p`, `n` > 1, tools, `response_format`) are refused with
     a 400 unless the pipeline's `serve.ignore` lists them (or is "*"); a `max_tokens` past
     `limits.max_tokens` is refused, or lowered with `serve.clamp_max_tokens`. A client that
     goes away cancels its request. Binds 127.0.0.1 unless told otherwise; another address
