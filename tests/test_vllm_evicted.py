@@ -9,7 +9,8 @@ vLLM's prefix cache share blocks, on a prompt longer than one KV block (128 toke
   keys from the cache (the evicted request's blocks past its stand-ins are never cached);
 - an evicted state whose ingestion crosses a block a full-context request cached does not take
   a cache hit past its evicted part (the evicted cache sees every token), and decodes as on `hf`;
-- candidates vLLM preempts (a KV cache too small for all of them) and recomputes decode as on `hf`.
+- evicted candidates take no block of vLLM's KV pool (a pool full-context ones fill), and those vLLM
+  preempts for full-context ones run again and decode as on `hf`.
 
 Every test shares the vLLM worker of tests/test_vllm.py (`load_engine("vllm")`, one per process).
 """
@@ -105,30 +106,69 @@ def test_an_evicted_ingest_takes_no_cache_hit_past_its_evicted_part(vllm_engine,
             assert (head_v - head_h).abs().max() < 1e-4
 
 
-def test_an_evicted_request_vllm_preempts_decodes_as_on_hf(hf_engine):
-    """A KV cache of 4 usable blocks for 4 candidates of 2 blocks each: vLLM preempts some and recomputes
-    their tokens later, as stand-ins (their budgeted caches, outside vLLM's blocks, hold them
-    already); every candidate still decodes as on `hf`."""
+def _tight_engine(hf_engine):
+    """A vLLM engine whose KV cache has 4 usable blocks (5: vLLM keeps one, the null block)."""
     from kvflow.config.schema import ModelConfig
 
     require_vllm()
     layers, kv_heads, head_dim, elem = hf_engine.kv_shape()
-    # 5 blocks: vLLM keeps one for itself, and must fit one request of max_model_len
     tight = {"kv_cache_memory_bytes": 5 * BLOCK * 2 * layers * kv_heads * head_dim * elem, "max_model_len": 4 * BLOCK}
     loader = get_registry().get("backends", "vllm")
     engine = loader.load(ModelConfig(backend="vllm", id=str(backend_model_dir("vllm")), dtype="float32",
                                      device="cpu", engine=tight))
+    assert engine.worker.info["settings"]["kv_blocks"] == 5
+    return engine
+
+
+def _decode(engine, requests):
+    """Each proposal's candidates as (token ids, logprobs), the requests run together."""
+    proposals = run_to_end(engine, requests)
+    engine.release([r.state for r in requests], proposals)
+    return [[(c.token_ids, c.logprobs) for c in p.candidates] for p in proposals]
+
+
+def _same(got, want):
+    for (tokens_a, lps_a), (tokens_b, lps_b) in zip(got, want, strict=True):
+        assert tokens_a == tokens_b
+        assert max(abs(a - b) for a, b in zip(lps_a, lps_b)) < 1e-4
+
+
+def test_evicted_candidates_hold_no_vllm_block_where_full_context_ones_fill_the_pool(hf_engine):
+    """4 candidates of 2 blocks each in a KV cache of 4 usable blocks: evicted ones (their KV in
+    their budgeted caches, their block tables on vLLM's null block) take none of vLLM's blocks and
+    run together, unpreempted; full-context ones fill the pool. Both decode as on `hf`."""
+    spec = SamplingSpec(4, 0.0, 1.0, BLOCK + 64, NEVER)
+    engine = _tight_engine(hf_engine)
     try:
-        spec = SamplingSpec(4, 0.0, 1.0, BLOCK + 64, NEVER)
-        got = {}
-        for e in (hf_engine, engine):
-            (state,) = e.start([StartRequest(chat_prompt(e), _rkv(), 9)])
-            (p,) = run_to_end(e, [ProposeRequest(state, "base", spec, 0, 400)])
-            got[e.backend] = [(c.token_ids, c.logprobs) for c in p.candidates]
-            e.release([state], [p])
-        assert engine.stats()["evicted_recomputes"] > 0, "vLLM preempted no candidate: the test tested nothing"
+        want = _decode(hf_engine, [ProposeRequest(hf_engine.start([StartRequest(chat_prompt(hf_engine), _rkv(), 9)])[0],
+                                                  "base", spec, 0, 400)])
+        got = _decode(engine, [ProposeRequest(engine.start([StartRequest(chat_prompt(engine), _rkv(), 9)])[0],
+                                              "base", spec, 0, 400)])
+        assert engine.stats()["kv_blocks_peak"] == 0 and engine.stats()["evicted_recomputes"] == 0
+        _same(got[0], want[0])
+        (full,) = engine.start([StartRequest(chat_prompt(engine), full_cache(), 0)])
+        _decode(engine, [ProposeRequest(full, "base", spec, 0, 400)])
+        assert engine.stats()["kv_blocks_peak"] == 4  # the subject's contrast: full context fills the pool
     finally:
         engine.worker.close()
-    for (tokens_h, lps_h), (tokens_v, lps_v) in zip(got["hf"], got["vllm"]):
-        assert tokens_v == tokens_h
-        assert max(abs(a - b) for a, b in zip(lps_v, lps_h)) < 1e-4
+
+
+def test_an_evicted_request_vllm_preempts_for_a_full_context_one_decodes_as_on_hf(hf_engine):
+    """Full-context candidates short of blocks make vLLM preempt the running requests after them,
+    evicted ones included (which free nothing); vLLM runs a preempted evicted request again from
+    its first token later: the tokens its budgeted cache holds are stand-ins then (on null blocks,
+    not recomputed), and every candidate decodes as on `hf`."""
+    spec = SamplingSpec(4, 0.0, 1.0, BLOCK + 64, NEVER)
+    engine = _tight_engine(hf_engine)
+    try:
+        runs = {}
+        for e in (hf_engine, engine):
+            (full,) = e.start([StartRequest(chat_prompt(e), full_cache(), 0)])
+            (evicted,) = e.start([StartRequest(chat_prompt(e), _rkv(), 9)])
+            runs[e.backend] = _decode(e, [ProposeRequest(full, "base", spec, 0, 400),
+                                          ProposeRequest(evicted, "base", spec, 0, 400)])
+        assert engine.stats()["evicted_recomputes"] > 0, "vLLM preempted no evicted candidate: the test tested nothing"
+    finally:
+        engine.worker.close()
+    for got, want in zip(runs["vllm"], runs["hf"]):
+        _same(got, want)

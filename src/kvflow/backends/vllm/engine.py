@@ -68,7 +68,8 @@ class VLLMEngine(EvictedStates, StreamedRows):
         self.rows_decoded = 0  # candidate rows that received tokens in them
         self.counters = {"prompt_tokens": 0, "cached_tokens": 0, "requests": 0, "tokens_used": 0,
                          "tokens_after_stop": 0, "aborted": 0, "ingest_requests": 0, "adopted": 0,
-                         "adopted_by_ingest": 0, "evicted_recomputes": 0}
+                         "adopted_by_ingest": 0, "evicted_recomputes": 0,
+                         "standins_skipped": 0, "kv_blocks_peak": 0}
         self._init_evicted()
 
     def settings(self) -> dict:
@@ -246,6 +247,8 @@ class VLLMEngine(EvictedStates, StreamedRows):
         self.counters["prompt_tokens"] += meta.get("prompt_tokens") or 0
         self.counters["cached_tokens"] += meta.get("cached_tokens") or 0
         self.counters["evicted_recomputes"] += meta.get("recomputes") or 0
+        self.counters["standins_skipped"] += meta.get("standins_skipped") or 0
+        self.counters["kv_blocks_peak"] = max(self.counters["kv_blocks_peak"], meta.get("kv_blocks_peak") or 0)
 
     def _stop(self, row: Row) -> None:
         """kvflow ended this candidate: stop it in the engine (EOS and the cap vLLM stops itself)."""

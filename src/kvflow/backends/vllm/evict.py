@@ -14,12 +14,12 @@ Layout. An evicted request's resident keys and values per (layer, KV head) live 
 same write plans, same compactions, same `Evictor.select` calls, same query window and H2O
 statistic), not in vLLM's blocks. vLLM still runs the request as a normal one whose input
 is the whole logical sequence: every token keeps vLLM's logical position (RoPE, token ids).
-Tokens before `first` are stand-ins: the snapshot already holds what they left; vLLM computes
-them (or reads them from its prefix cache: their keys and values are exactly the full-context
-ones, for they attend only to each other) and their outputs are not used. Tokens from `first`
-on are the evicted request's own: each layer's attention for them is recomputed over the
-budgeted cache (`kvflow.backends.hf.attention.kvflow_attention`, sdpa with the cache's mask)
-and written over what vLLM's kernel returned, and the cache compacts at `budget + buffer`
+Tokens before the budgeted cache's next position are stand-ins: the cache already holds what
+they left, so vLLM counts them computed (on null blocks, block-aligned: the few after the last
+whole block it computes, and their outputs are not used). Tokens from there on are the evicted
+request's own: each layer's attention for them is recomputed over the budgeted cache
+(`kvflow.backends.hf.attention.kvflow_attention`, sdpa with the cache's mask) and written over
+what vLLM's kernel returned, and the cache compacts at `budget + buffer`
 exactly as on `hf`. So the same evictor keeps the same tokens on both engines.
 
 Seams (no vLLM file is changed):
@@ -27,15 +27,19 @@ Seams (no vLLM file is changed):
   (`register_backend`) by `EvictingBackend`, whose impl runs vLLM's kernel, then the evicted
   rows; layer 0 of a forward plans it (which requests, which tokens: vLLM's input batch and
   the attention metadata), the last layer ends it (`BudgetedCache.end_forward`: compaction);
-- preemption: a request vLLM preempts is recomputed from its first token later; tokens before
-  the budgeted cache's next position are stand-ins then (the cache holds them), so it goes on;
-- the KV cache manager (`install`, on the engine's scheduler): an evicted request's prefix
-  cache hit stops at `first` (a later token must reach the evicted cache), and its blocks
-  from `first` on are never cached (vLLM's kernel wrote its own, full-context-free, keys there).
+- the KV cache manager (`install`, on the engine's scheduler): an evicted request takes no block
+  of vLLM's pool. Its block table is vLLM's null block at every position (vLLM's kernel writes and
+  reads scratch there; the evicted rows never read it), so its KV memory is its budgeted cache
+  alone, it never makes vLLM preempt another request, and nothing of it reaches the prefix cache
+  (never looked up, never cached);
+- preemption: vLLM may still preempt an evicted request to free blocks for another (it frees
+  none) and run it again from its first token later: its stand-ins reach the cache's next
+  position then, so it goes on where it was.
 
-What this does not do yet: vLLM still allocates blocks for an evicted request's whole logical
-length (the budgeted cache is extra memory, bounded by `budget + buffer` per (layer, head));
-the evicted rows are attended one request at a time in Python; no CUDA graph may replay the
+What this does not do yet: the budgeted caches live in the worker's memory beside vLLM's pool
+(bounded: `budget + buffer` tokens per (layer, KV head) and request), not compacted in vLLM's own
+blocks; vLLM's kernel still runs an evicted request's rows over its (null) block table, and the
+evicted rows are then attended one request at a time in Python; no CUDA graph may replay the
 model (the worker refuses evicted requests unless vLLM runs eagerly).
 """
 
@@ -214,7 +218,7 @@ class Runtime:
 
     def install(self, engine) -> None:
         """Hook the in-process engine: its model runner (the input batch of each forward) and
-        its scheduler's KV cache manager (`prefix_hit_stops_at_first`, `no_caching_past_first`)."""
+        its scheduler's KV cache manager (an evicted request's stand-ins and blocks)."""
         core = engine.engine_core.engine_core
         self.runner = core.model_executor.driver_worker.worker.model_runner
         model_config = self.runner.model_config
@@ -225,26 +229,46 @@ class Runtime:
         impls = [type(layer.impl).__name__ for layer in layers if hasattr(layer, "impl")]
         self.hooked = bool(impls) and all(name == "EvictingImpl" for name in impls)
         manager = core.scheduler.kv_cache_manager
-        block_size = core.vllm_config.cache_config.block_size
-        lookup, cache_blocks = manager.get_computed_blocks, manager.coordinator.cache_blocks
+        groups = manager.coordinator.single_type_managers
+        null = manager.block_pool.null_block
+        block_size = min(group.block_size for group in groups)
+        lookup, allocate, cache = manager.get_computed_blocks, manager.allocate_slots, manager.coordinator.cache_blocks
 
-        def get_computed_blocks(request):  # an evicted request's prefix-cache hit stops at `first`
-            blocks, n, boundary = lookup(request)
+        def get_computed_blocks(request):
+            """An evicted request's tokens before its cache's next position are stand-ins (the
+            budgeted cache holds what they left): "computed" on null blocks, never looked up."""
             live = self.live.get(request.request_id)
-            if live is None or n <= live.first:
-                return blocks, n, boundary
-            keep = live.first // block_size
-            return (manager.create_kv_cache_blocks(tuple(group[:keep] for group in blocks.blocks)),
-                    keep * block_size, min(boundary, keep * block_size))
+            if live is None:
+                return lookup(request)
+            n = min(live.next, request.num_tokens - 1) // block_size * block_size  # vLLM's hits end on a block
+            return manager.empty_kv_cache_blocks, n, 0
 
-        def no_caching_past_first(request, num_tokens, *args, **kwargs):
+        def allocate_slots(request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None,
+                           num_lookahead_tokens=0, *args, **kwargs):
+            """An evicted request takes no block of vLLM's pool: its block table is vLLM's null
+            block for every position (what vLLM's kernel writes and reads there is scratch; the
+            evicted rows attend over the budgeted cache), so it is never short of blocks and frees
+            none, and nothing of it reaches the prefix cache."""
             live = self.live.get(request.request_id)
-            if live is not None:  # blocks from `first` on hold vLLM's keys, not the evicted request's
-                num_tokens = min(num_tokens, live.first)
-            return cache_blocks(request, num_tokens, *args, **kwargs)
+            if live is None:
+                return allocate(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+                                num_lookahead_tokens, *args, **kwargs)
+            tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens + num_lookahead_tokens
+            added = []
+            for group in groups:
+                blocks = group.req_to_blocks[request.request_id]
+                more = [null] * max(0, -(-tokens // group.block_size) - len(blocks))
+                blocks.extend(more)
+                added.append(more)
+            return manager.create_kv_cache_blocks(tuple(added))
+
+        def cache_blocks(request, *args, **kwargs):  # a null block must never be hashed into the prefix cache
+            if request.request_id not in self.live:
+                return cache(request, *args, **kwargs)
 
         manager.get_computed_blocks = get_computed_blocks
-        manager.coordinator.cache_blocks = no_caching_past_first
+        manager.allocate_slots = allocate_slots
+        manager.coordinator.cache_blocks = cache_blocks
 
 
 RUNTIME = Runtime()

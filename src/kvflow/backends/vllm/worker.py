@@ -20,8 +20,9 @@ Protocol (one JSON value per line; stdin -> requests, stdout -> replies; vLLM's 
     -> ["kept", rid, snapshot]                   <- ["kept", rid, {keys, values, compactions}]
     <- ["tokens", rid, ids, logprobs, top]       new tokens (deltas): each one's own logprob and its
                                                  top-k [[logprob, id], ...] (temperature 1: raw_logprobs)
-    <- ["end", rid, finish, meta]                finish: "stop" | "length" | "abort"; meta: token counts
-                                                 (an evicted request's: the forwards vLLM recomputed it in)
+    <- ["end", rid, finish, meta]                finish: "stop" | "length" | "abort"; meta: token counts,
+                                                 the most KV blocks in use after any step so far (an
+                                                 evicted request's: the forwards vLLM recomputed it in)
     -> ["score", rid, input_ids, start]          log-probabilities of input_ids[start:] (prompt logprobs)
     <- ["scored", rid, logprobs, meta]
     -> ["abort", rid]                            the request ends now with finish "abort"
@@ -58,7 +59,7 @@ def resolved_settings(engine) -> dict:
     return {"device": str(config.device_config.device_type), "dtype": str(model.dtype).removeprefix("torch."),
             "max_model_len": model.max_model_len, "logprobs_mode": model.logprobs_mode,
             "max_logprobs": model.max_logprobs, "enforce_eager": model.enforce_eager,
-            "block_size": cache.block_size, "enable_prefix_caching": cache.enable_prefix_caching,
+            "block_size": cache.block_size, "kv_blocks": cache.num_gpu_blocks, "enable_prefix_caching": cache.enable_prefix_caching,
             "kv_cache_dtype": str(cache.cache_dtype), "max_num_seqs": sched.max_num_seqs,
             "max_num_batched_tokens": sched.max_num_batched_tokens,
             "tensor_parallel_size": config.parallel_config.tensor_parallel_size}
@@ -77,6 +78,8 @@ class _Serve:
         self.top_k: dict[str, int] = {}  # rid -> top log-probabilities asked per token
         self.internal: dict[str, str] = {}  # rid -> vLLM's own id of an evicted request
         self.evicting = None  # evict.RUNTIME where kvflow's paths were given, else None
+        self.pool = engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+        self.peak_blocks = 0  # most blocks of vLLM's KV pool requests held after any step so far
 
     def _admit_evicted(self, rid: str, spec: dict) -> None:
         if self.evicting is None:
@@ -135,14 +138,17 @@ class _Serve:
         kind = self.kinds.pop(rid)
         self.top_k.pop(rid, None)
         n_prompt, _ = self.prompt.pop(rid)
-        meta = {"prompt_tokens": n_prompt, "cached_tokens": cached, "completion_tokens": self.made.pop(rid)}
-        if live is not None:
-            meta["recomputes"] = live.recomputes
+        meta = {"prompt_tokens": n_prompt, "cached_tokens": cached, "completion_tokens": self.made.pop(rid),
+                "kv_blocks_peak": self.peak_blocks}
+        if live is not None:  # its "cached" tokens are stand-ins skipped on null blocks, not prefix-cache hits
+            meta.update(recomputes=live.recomputes, cached_tokens=0, standins_skipped=cached)
         if kind == "generate":
             _send(self.out, "end", rid, finish, meta)
 
     def step(self) -> None:
-        for out in self.engine.step():
+        outputs = self.engine.step()
+        self.peak_blocks = max(self.peak_blocks, self.pool.num_gpu_blocks - 1 - self.pool.get_num_free_blocks())
+        for out in outputs:
             rid = out.request_id
             if rid not in self.kinds:
                 continue  # aborted meanwhile
