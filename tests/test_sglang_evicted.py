@@ -237,3 +237,28 @@ def test_positions_keep_advancing_past_compactions(sglang_engine, hf_engine, tmp
     want, _ = greedy_steps(hf_engine, _evictor("streaming"))
     assert _tokens(steps) == _tokens(want)
     sglang_engine.release([state])
+
+
+def test_adopting_candidates_kvflow_stopped_leaves_no_snapshot_behind(sglang_engine):
+    """A committed candidate kvflow stopped (a pruner, the step delimiter: most of KV-Rescue's
+    steps) is adopted by ingesting its tokens into the state's snapshot; the candidate itself
+    leaves no snapshot in the scheduler (an aborted request saves none), so five such steps end
+    with no more snapshots than they began with (seen failing, 2 -> 7, with aborted requests
+    saving theirs: nothing on the client side would drop them before the engine's reset)."""
+    from kvflow.components.engine import SyncRequest
+    from kvflow.testing.engine_contract import StopAt
+
+    ev = _evictor("rkv")
+    (state,) = sglang_engine.start([StartRequest(_prompt(sglang_engine), ev, 3)])
+    before = sglang_engine.server_state()["snapshots"]  # the state's, and any an earlier test left to drop
+    spec = SamplingSpec(2, 1.0, 1.0, 400, "\x00\x01", pruners=(("stop4", StopAt(4)),))
+    for _ in range(5):
+        (p,) = run_to_end(sglang_engine, [ProposeRequest(state, "base", spec, 0, 100)])
+        assert p.candidates[0].finish == "pruned:stop4"
+        (state,) = sglang_engine.sync([SyncRequest(state, p, 0, p.candidates[0].text)])
+    assert sglang_engine.counters["adopted_by_ingest"] >= 5
+    sglang_engine.release([state])
+    (other,) = sglang_engine.start([StartRequest(_prompt(sglang_engine), ev, 4)])  # carries the drops
+    after = sglang_engine.server_state()["snapshots"]
+    sglang_engine.release([other])
+    assert after <= before, (before, after)
