@@ -68,6 +68,10 @@ class KvflowError(Exception):
     exit_code = 1
 
 
+class EngineError(KvflowError):
+    """An engine in a process of its own (SGLang's, vLLM's worker) failed, exited or refused a request."""
+
+
 class UserError(KvflowError):
     """Something the user can fix. Holds one or more `ConfigProblem`s.
 

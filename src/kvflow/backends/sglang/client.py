@@ -24,13 +24,9 @@ import threading
 from typing import Any, Optional
 
 from kvflow.backends.sglang.worker import read_frame, write_frame
-from kvflow.errors import KvflowError
+from kvflow.errors import EngineError  # noqa: F401 - raised here, imported from here by the engine
 
 _START_TIMEOUT_S = 600
-
-
-class EngineError(KvflowError):
-    """The SGLang engine failed or exited."""
 
 
 def cpu_binding(engine_kwargs: dict) -> Optional[str]:

@@ -27,13 +27,13 @@ pruners and candidates over the streamed rows are `kvflow.backends.streamed`, sh
 from __future__ import annotations
 
 import time
-import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from kvflow.backends.sglang.client import EngineError, Worker
-from kvflow.backends.sglang.evicted import EvictedState, EvictedStates
+from kvflow.backends.sglang.evicted import EvictedStates
+from kvflow.backends.snapshots import EvictedState
 from kvflow.backends.streamed import TOP_K, Row, Running, StreamedRows
 from kvflow.components.base import CONFIDENCE_TOP_K
 from kvflow.components.engine import Proposal, ProposeRequest, StartRequest, SyncRequest, row_seed
@@ -74,17 +74,10 @@ class SGLangEngine(EvictedStates, StreamedRows):
         self.counters = {"prompt_tokens": 0, "cached_tokens": 0, "requests": 0, "tokens_used": 0,
                          "tokens_after_stop": 0, "aborted": 0, "ingest_requests": 0, "adopted": 0,
                          "adopted_by_ingest": 0}
-        # evicted states: snapshots live in the scheduler until a later request drops them
-        self._ended: dict[str, tuple[dict, int]] = {}  # evicted candidate rid -> (finish, tokens made)
-        self._drop_on_end: dict[str, str] = {}  # candidate rid -> its snapshot, dropped once it ended
-        self._drops: dict[Optional[int], list[str]] = {}  # replica -> snapshots to drop with its next request
-        self._owned: dict[str, Optional[int]] = {}  # snapshots that exist or will -> their replica
+        self._init_snapshots()  # evicted states: snapshots live in the scheduler until a later request drops them
         self._rank_load: dict[int, int] = {}  # dp_size > 1: live states per replica (`_route`)
-        self._ingests: dict[str, Any] = {}  # ingest request rid -> its end message (None: waiting)
-        self._specs: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # evictor -> its part of a spec
         self.profile = None  # graph.Profile of its decode hook (None: started without kvflow's hooks)
         self.profile_shape = (kv_shape[0], kv_shape[1])  # (layers, KV heads per tensor-parallel rank)
-        self._evicted_rids: set[str] = set()  # evicted candidates whose end has not arrived
         self.dump_dir: Optional[str] = None  # set: the scheduler saves every snapshot there (`<snap>.pt`)
         self.resolved: dict = {}  # SGLang's server arguments as it resolved them for the device (settings.py)
 
@@ -113,11 +106,8 @@ class SGLangEngine(EvictedStates, StreamedRows):
         self.running.clear()
         self._rows.clear()
         self._used.clear()
-        for snap, rank in self._owned.items():
-            self._drops.setdefault(rank, []).append(snap)
-        self._owned.clear()
+        self._reset_snapshots()
         self._rank_load.clear()
-        self._drop_on_end.clear()
 
     # ------------------------------------------------------------------ text and shapes
 
@@ -213,13 +203,6 @@ class SGLangEngine(EvictedStates, StreamedRows):
             for row in p.handle or ():
                 self._discard(row)
 
-    def _wait(self, done, what: str) -> None:
-        deadline = time.monotonic() + 3600
-        while not done():
-            if time.monotonic() > deadline:
-                raise EngineError(f"{self.worker.where}: SGLang timed out waiting for {what}")
-            self._take(self.worker.poll(_POLL_S))  # proposals keep streaming meanwhile
-
     def server_state(self) -> dict:
         """The scheduler's KV slots in use and kvflow's snapshots (`evict.py`)."""
         rid = self.worker.new_rid("q")
@@ -243,7 +226,7 @@ class SGLangEngine(EvictedStates, StreamedRows):
         state, ids = req.state, req.state.ids
         if isinstance(state, EvictedState):  # from the state's snapshot: its resident tail + the pending token
             row.snap = "c-" + row.rid
-            self._owned[row.snap] = state.dp_rank
+            self._own(row.snap, state)
             self._evicted_rids.add(row.rid)
             params["custom_params"] = {"kvflow_evict": self._spec(
                 state, rng_key=row_seed(state.rng_key, i), save_as=row.snap)}
@@ -290,12 +273,7 @@ class SGLangEngine(EvictedStates, StreamedRows):
                 self._ingests[rid] = msg
             return
         if kind == "end" and rid in self._evicted_rids:
-            self._evicted_rids.discard(rid)
-            self._ended[rid] = (msg[2] or {}, (msg[3] or {}).get("completion_tokens") or 0)
-            snap = self._drop_on_end.pop(rid, None)
-            if snap is not None:
-                del self._ended[rid]
-                self._drop(snap)
+            self._evicted_end(rid, (msg[2] or {}).get("type") == "abort", (msg[3] or {}).get("completion_tokens") or 0)
         owner = self._rows.get(rid)
         if owner is None:
             if kind == "end":  # a candidate kvflow stopped: what the engine made after the stop

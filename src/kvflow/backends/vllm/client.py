@@ -24,14 +24,10 @@ import threading
 from pathlib import Path
 from typing import Any, Optional
 
-from kvflow.errors import KvflowError
+from kvflow.errors import EngineError  # noqa: F401 - raised here, imported from here by the engine
 
 _START_TIMEOUT_S = 900
 WORKER = Path(__file__).with_name("worker.py")
-
-
-class EngineError(KvflowError):
-    """The vLLM engine failed or exited."""
 
 
 class Worker:

@@ -31,7 +31,8 @@ from typing import Any, Optional, Sequence
 
 from kvflow.backends.streamed import TOP_K, Row, Running, StreamedRows
 from kvflow.backends.vllm.client import EngineError, Worker
-from kvflow.backends.vllm.evicted import EvictedState, EvictedStates
+from kvflow.backends.snapshots import EvictedState
+from kvflow.backends.vllm.evicted import EvictedStates
 from kvflow.components.engine import Proposal, ProposeRequest, StartRequest, SyncRequest, row_seed
 from kvflow.timing import NULL_CLOCK
 
@@ -96,7 +97,7 @@ class VLLMEngine(EvictedStates, StreamedRows):
         self.running.clear()
         self._rows.clear()
         self._used.clear()
-        self._reset_evicted()
+        self._reset_snapshots()
 
     # ------------------------------------------------------------------ text and shapes
 
@@ -170,7 +171,7 @@ class VLLMEngine(EvictedStates, StreamedRows):
         state, evict = req.state, None
         if isinstance(state, EvictedState):  # the whole sequence; its evicted part starts at the pending token
             row.snap = "c-" + row.rid
-            self._owned.add(row.snap)
+            self._own(row.snap, state)
             self._evicted_rids.add(row.rid)
             evict = self._spec(state, rng_key=row_seed(state.rng_key, i), save_as=row.snap)
         self.worker.send("generate", row.rid, state.ids, params, evict)
@@ -224,7 +225,9 @@ class VLLMEngine(EvictedStates, StreamedRows):
                 self._ingests[rid] = msg
             return
         if kind in ("end", "error") and rid in self._evicted_rids:
-            self._evicted_end(rid, msg)
+            ended = kind == "end"
+            self._evicted_end(rid, not ended or msg[2] == "abort",
+                              (msg[3] or {}).get("completion_tokens") or 0 if ended else 0)
         owner = self._rows.get(rid)
         if owner is None:
             if kind == "end":  # a candidate kvflow stopped: what the engine made after the stop
@@ -273,11 +276,7 @@ class VLLMEngine(EvictedStates, StreamedRows):
             self._scores[rid] = None
             self.worker.send("score", rid, ids, start)
             rids.append(rid)
-        deadline = time.monotonic() + 3600
-        while not all(self._scores[r] is not None for r in rids):
-            if time.monotonic() > deadline:
-                raise EngineError(f"{self.worker.where}: vLLM timed out scoring")
-            self._take(self.worker.poll(_POLL_S))  # proposals keep streaming meanwhile
+        self._wait(lambda: all(self._scores[r] is not None for r in rids), "scores")
         out = []
         for rid in rids:
             msg = self._scores.pop(rid)
