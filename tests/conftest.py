@@ -198,7 +198,7 @@ SLOW_FILES = {
     "test_deterministic.py", "test_e2e.py", "test_placement_pools.py", "test_scheduler_runs.py",
     "test_sglang.py", "test_sglang_data_parallel.py", "test_sglang_evicted.py", "test_sglang_gpu_settings.py",
     "test_sglang_scoring.py", "test_tutorials.py", "test_view_browser.py", "test_serve.py", "test_serve_sglang.py",
-    "test_vllm.py", "test_vllm_evicted.py", "test_serve_harness.py",
+    "test_vllm.py", "test_vllm_evicted.py", "test_vllm_scoring.py", "test_serve_harness.py",
 }
 SLOW_FIXTURES = {"sglang_engine", "hf_engine", "ray_cluster", "shared_tiny_qwen"}
 SLOW_TESTS = {

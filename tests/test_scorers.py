@@ -78,8 +78,9 @@ def prm_tokenizer():
     return tok
 
 
-def save_prm(path, *, head_bias=None, arch="Qwen2ForProcessRewardModel", drop_head=False, seed=0):
-    """A tiny Qwen2 PRM checkpoint (kvflow's rebuild of the architecture) under `path`."""
+def save_prm(path, *, head_bias=None, arch="Qwen2ForProcessRewardModel", drop_head=False, seed=0, head_dim=16):
+    """A tiny Qwen2 PRM checkpoint (kvflow's rebuild of the architecture) under `path` (4 query
+    heads of `head_dim`: vLLM's CPU attention takes 32 and up)."""
     from safetensors.torch import load_file, save_file
     from transformers import Qwen2Config
 
@@ -87,7 +88,7 @@ def save_prm(path, *, head_bias=None, arch="Qwen2ForProcessRewardModel", drop_he
 
     tok = prm_tokenizer()
     torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=4 * head_dim, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                          pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
     model = Qwen2ForProcessRewardModel(config).eval()

@@ -1,5 +1,5 @@
 """The `vllm` backend's refusals, said before any engine starts (no vLLM needed: the quick tier):
-what it does not run yet (evicted proposers off a CPU, with graphs or quantized KV; the PRM), the
+what it does not run yet (evicted proposers off a CPU, with graphs or quantized KV), the
 engine settings kvflow sets or depends on, and a missing vLLM environment, each with exit code 2
 naming the field, nothing written. The engine itself is tested in tests/test_vllm.py,
 tests/test_vllm_evicted.py and tests/test_engine_contract.py."""
@@ -36,11 +36,24 @@ def test_an_evicted_proposer_on_vllm_is_refused_where_it_cannot_run(tmp_path, cl
         assert "Traceback" not in result.output
 
 
-def test_a_prm_on_vllm_is_refused_at_validation(tmp_path, cli):
-    path = _on_vllm(tmp_path, scorer={"kind": "prm", "model": "helper", "protocol": "math-shepherd"})
-    result = cli("validate", path)
-    assert result.exit_code == 2, result.output
-    assert "models.helper.backend" in result.output and "not 'vllm'" in result.output, result.output
+def test_prm_and_judge_on_vllm_validate_and_a_prm_engine_pools(tmp_path, cli):
+    """prm and llm_judge run on vLLM (tests/test_vllm_scoring.py); `prefix_reuse: false` (hf's
+    re-encoding) is refused naming the field; a Qwen2.5-Math-PRM's engine is vLLM's pooling
+    runner with every position pooled, under the entry's own settings. No engine starts."""
+    from kvflow.config import load_pipeline
+    from kvflow.runtime.compile import scorer_engines
+
+    for i, scorer in enumerate([{"kind": "prm", "model": "helper", "protocol": "math-shepherd"},
+                                {"kind": "llm_judge", "model": "helper"}]):
+        result = cli("validate", _on_vllm(tmp_path / str(i), scorer=scorer))
+        assert result.exit_code == 0, result.output
+        result = cli("validate", _on_vllm(tmp_path / f"{i}-no-reuse", scorer={**scorer, "prefix_reuse": False}))
+        assert result.exit_code == 2, result.output
+        assert "scorer.prefix_reuse" in result.output and "'vllm'" in result.output, result.output
+    path = _on_vllm(tmp_path / "qwen", engine={"max_num_seqs": 8},
+                    scorer={"kind": "prm", "model": "helper", "protocol": "qwen25-math-prm"})
+    helper = scorer_engines(load_pipeline(path)).pipeline.models["helper"]
+    assert helper.engine == {"runner": "pooling", "pooler_config": {"tok_pooling_type": "ALL"}, "max_num_seqs": 8}
 
 
 def test_engine_settings_kvflow_sets_or_needs_are_refused_before_loading(tmp_path, cli):

@@ -18,10 +18,10 @@ P("Yes") / (P("Yes") + P("No")) from the logits at the answer position (the firs
 judge would generate), where "Yes" and "No" are the first tokens of those words encoded alone.
 The judge rates the newest step only (there is no `aggregate`).
 
-Runs on `hf` and `sglang`. With `prefix_reuse` (the default) only new tokens run: on `hf` each
-problem keeps its prompts' shared prefix cached between rounds (`PrefixForward`), on `sglang`
-the engine's radix cache holds it and the label log-probabilities at the answer slot come back
-with the request (`PositionValues`). Without it (`hf` only), every prompt is re-encoded in
+Runs on `hf`, `sglang` and `vllm`. With `prefix_reuse` (the default) only new tokens run: on `hf`
+each problem keeps its prompts' shared prefix cached between rounds (`PrefixForward`), on
+`sglang` and `vllm` the engine's prefix cache holds it and the label log-probabilities at the
+answer slot come back with the request (`PositionValues`). Without it (`hf` only), every prompt is re-encoded in
 batched forwards (right padding, chunks of at most `batch_tokens` padded tokens).
 """
 
@@ -61,8 +61,8 @@ class LLMJudgeScorer(StepScorer):
 
     Params = JudgeParams
 
-    #: hf: two label logits through transformers; sglang: their log-probabilities from the engine
-    backends = ("hf", "sglang")
+    #: hf: two label logits through transformers; sglang, vllm: their log-probabilities from the engine
+    backends = ("hf", "sglang", "vllm")
 
     @staticmethod
     def check_backend(params, backend: str):
@@ -78,17 +78,19 @@ class LLMJudgeScorer(StepScorer):
         super().__init__(params, context)
         from kvflow.errors import UserError
 
+        from kvflow_builtin.scorers.prm import SERVING, _serving_reuses
+
         session = context.load_session(params.model)
-        on_sglang = getattr(session, "engine", None) is not None and getattr(session.engine, "backend", "") == "sglang"
-        self.tokenizer = session.engine.tokenizer if on_sglang else session.runner.tokenizer
+        backend = getattr(getattr(session, "engine", None), "backend", "hf")
+        on_engine = backend in SERVING  # the engine answers label log-probabilities, its cache serves the prefix
+        self.tokenizer = session.engine.tokenizer if on_engine else session.runner.tokenizer
         self.answer_ids = [self.tokenizer(a, add_special_tokens=False)["input_ids"][0] for a in ANSWERS]
         if self.answer_ids[0] == self.answer_ids[1]:
             raise UserError(f"llm_judge: 'Yes' and 'No' start with the same token for models.{params.model}")
-        if on_sglang:
-            from kvflow.backends.sglang.scoring import PositionValues
-            from kvflow_builtin.scorers.prm import _sglang_reuses
+        if on_engine:
+            from kvflow.backends.position_values import PositionValues
 
-            _sglang_reuses(params)
+            _serving_reuses(params, backend)
             self.forward = PositionValues(session.engine, labels=self.answer_ids)
             return
         from kvflow.backends.hf.scoring import head_forward, label_head

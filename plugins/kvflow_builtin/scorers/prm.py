@@ -5,9 +5,9 @@ normalised by `_steps.steps_for`: whitespace and trailing delimiters stripped, e
 dropped) and read at each step's tag. Only tokens not seen before run (`prefix_reuse`, the
 default): on `hf` each problem keeps the shared prefix of its last round's inputs (KV and the
 head's outputs at every position) and a round runs the newly committed step once and each
-candidate's own tokens (`kvflow.backends.hf.scoring.PrefixForward`); on `sglang` the engine's
-radix cache holds that prefix and the values at cached tags are kept per problem
-(`kvflow.backends.sglang.scoring.PositionValues`). `prefix_reuse: false` (hf only) re-encodes
+candidate's own tokens (`kvflow.backends.hf.scoring.PrefixForward`); on `sglang` and `vllm` the
+engine's prefix cache holds that prefix and the values at cached tags are kept per problem
+(`kvflow.backends.position_values.PositionValues`). `prefix_reuse: false` (hf only) re-encodes
 every input in batched forwards (right padding, chunks of at most `batch_tokens` padded tokens). The candidate's score is
 `aggregate` (last | min | prod | mean) over its trajectory's step scores; a candidate that is
 empty after normalisation adds no step, so it gets the trajectory's score without it (nan,
@@ -21,8 +21,10 @@ protocol `qwen25-math-prm` (Qwen/Qwen2.5-Math-PRM-7B, -72B):
     On `hf` loaded by `kvflow.backends.hf.prm` (remote code only with `trust_remote_code:
     true`, otherwise kvflow's own rebuild); on `sglang` served by kvflow's
     `Qwen2ForProcessRewardModel` in SGLang's model registry (`kvflow.backends.sglang.prm_model`),
-    whose head's logits come back for every position the engine runs. A checkpoint without a
-    PRM head is refused on both. Literal
+    whose head's logits come back for every position the engine runs; on `vllm` by vLLM's own
+    `Qwen2ForProcessRewardModel` on its pooling runner (every token's logits, no activation; the
+    whole trajectory runs per request: vLLM's token pooling reads no prefix cache). A checkpoint
+    without a PRM head is refused on all three. Literal
     `<extra_0>` inside the question or a step is removed so that tags match steps.
 
 protocol `math-shepherd` (peiyi9979/math-shepherd-mistral-7b-prm and causal-LM PRMs like it):
@@ -34,8 +36,9 @@ protocol `math-shepherd` (peiyi9979/math-shepherd-mistral-7b-prm and causal-LM P
     the encoding): with the Math-Shepherd tokenizer that is the single "ки" token; a tokenizer
     without that token (e.g. byte-level BPE) splits the tag into several tokens, and its last
     one is read — such a model has never seen the tag, so only use it for tests. On `sglang`
-    the label log-probabilities come from the engine (`token_ids_logprob`); the model may be a
-    proposer's, sharing its engine.
+    the label log-probabilities come from the engine (`token_ids_logprob`), on `vllm` from a
+    one-token request per tag reading the prefix cache (`logprob_token_ids`); the model may be
+    a proposer's, sharing its engine.
 """
 
 from __future__ import annotations
@@ -120,8 +123,9 @@ class PRMScorer(StepScorer):
 
     Params = PRMParams
     #: hf: transformers (kvflow's PRM rebuild, or the causal LM's label logits); sglang: kvflow's
-    #: PRM model class in SGLang (`kvflow.backends.sglang.prm_model`), or label logprobs
-    backends = ("hf", "sglang")
+    #: PRM model class in SGLang (`kvflow.backends.sglang.prm_model`), or label logprobs; vllm:
+    #: vLLM's PRM class on its pooling runner, or label logprobs
+    backends = ("hf", "sglang", "vllm")
 
     @classmethod
     def models_needed(cls, params):
@@ -139,6 +143,10 @@ class PRMScorer(StepScorer):
             # the PRM's head outputs come back as hidden states, which SGLang keeps for the last
             # chunk of a chunked prefill only: no chunks (a scoring engine only prefills)
             return {"enable_return_hidden_states": True, "chunked_prefill_size": -1}
+        if backend == "vllm" and params.protocol == "qwen25-math-prm":
+            # vLLM's PRM pools at its step tag (151651, Qwen's `<extra_0>`) by default: every
+            # position instead, so that the tags of any tokenizer are read where kvflow finds them
+            return {"runner": "pooling", "pooler_config": {"tok_pooling_type": "ALL"}}
         return {}
 
     def __init__(self, params, context) -> None:
@@ -146,15 +154,16 @@ class PRMScorer(StepScorer):
         import torch
 
         model_cfg = (context.models or {}).get(params.model)
-        if getattr(model_cfg, "backend", "hf") == "sglang":
-            from kvflow.backends.sglang.scoring import PositionValues
+        backend = getattr(model_cfg, "backend", "hf")
+        if backend in SERVING:
+            from kvflow.backends.position_values import PositionValues
 
-            _sglang_reuses(params)
+            _serving_reuses(params, backend)
 
             if params.protocol == "qwen25-math-prm":
                 from kvflow.backends.hf.prm import check_prm_checkpoint
 
-                check_prm_checkpoint(model_cfg)  # before SGLang would serve a causal LM as one
+                check_prm_checkpoint(model_cfg)  # before the engine would serve a causal LM as one
             engine = context.load_session(params.model).engine
             if params.protocol == "qwen25-math-prm":
                 self.format = QwenPRMFormat(engine.tokenizer)
@@ -211,21 +220,27 @@ class PRMScorer(StepScorer):
             release(problem_ids)
 
 
+#: backends whose engine serves the scorers' values (`PositionValues`), its prefix cache holding
+#: each problem's committed prefix
+SERVING = ("sglang", "vllm")
+
+
 def prefix_reuse_problem(params, backend: str):
     """None, or (field under `scorer`, why, hint) when these params cannot run on `backend`:
-    `prefix_reuse: false` is hf's re-encoding; SGLang's radix cache always serves the prefix."""
-    if backend == "sglang" and not params.prefix_reuse:
-        return ("prefix_reuse", f"prefix_reuse: false re-encodes every input on backend 'hf' only; on 'sglang' "
-                                f"(models.{params.model}.backend) the radix cache always serves the committed prefix",
+    `prefix_reuse: false` is hf's re-encoding; a serving engine's prefix cache always serves the prefix."""
+    if backend in SERVING and not params.prefix_reuse:
+        return ("prefix_reuse", f"prefix_reuse: false re-encodes every input on backend 'hf' only; on {backend!r} "
+                                f"(models.{params.model}.backend) the engine's prefix cache always serves the "
+                                "committed prefix",
                 f"drop scorer.prefix_reuse, or put models.{params.model} on backend 'hf'")
     return None
 
 
-def _sglang_reuses(params) -> None:
+def _serving_reuses(params, backend: str) -> None:
     """The same refusal at run time (a scorer built outside `kvflow run`)."""
     from kvflow.errors import UserError
 
-    why = prefix_reuse_problem(params, "sglang")
+    why = prefix_reuse_problem(params, backend)
     if why:
         raise UserError(f"scorer.{why[0]}: {why[1]}", hint=why[2])
 

@@ -16,7 +16,7 @@ replies; SGLang's own prints go to stderr):
     ← ("end", rid, finish, meta)             finish: SGLang's finish_reason
     → ("score", rid, input_ids, start)       log-probabilities of input_ids[start:]
     ← ("scored", rid, logprobs, meta)
-    → ("values", rid, input_ids, start, labels)  per-position values of the positions not cached
+    → ("values", rid, input_ids, start, labels, need)  per-position values of the positions not cached
     ← ("scored", rid, {"first", "values"}, meta)  values of positions first.. ([n, C])
     → ("abort", rid)                         the request ends soon with finish type "abort"
     → ("state", rid)                         the scheduler's state (KV slots in use, kvflow's snapshots)
@@ -100,8 +100,9 @@ class _Worker:
         finally:
             self.tasks.pop(rid, None)
 
-    async def values(self, rid, input_ids, start, labels) -> None:
-        """Per-position values of the positions SGLang runs (the rest is in its radix cache):
+    async def values(self, rid, input_ids, start, labels, need=None) -> None:
+        """Per-position values of the positions SGLang runs (the rest is in its radix cache;
+        `need`, the positions the scorer needs, is vLLM's: SGLang answers every one it runs):
         labels None: the model's hidden states, which kvflow's PRM class makes its head's
         logits ([tokens, 2]); `start` (or None) then caps the cached prefix, so that the values
         from `start` on come back. labels: log p of those tokens at positions start.. (the

@@ -177,4 +177,4 @@ def worker_env(engine_kwargs: dict) -> dict:
 #: the resolved settings `manifest.json` records per vLLM engine (what the worker reports)
 RECORDED = ("device", "dtype", "max_model_len", "logprobs_mode", "max_logprobs", "enforce_eager", "block_size",
             "enable_prefix_caching", "kv_cache_dtype", "max_num_seqs", "max_num_batched_tokens",
-            "tensor_parallel_size")
+            "tensor_parallel_size", "runner")

@@ -25,6 +25,11 @@ Protocol (one JSON value per line; stdin -> requests, stdout -> replies; vLLM's 
                                                  evicted request's: the forwards vLLM recomputed it in)
     -> ["score", rid, input_ids, start]          log-probabilities of input_ids[start:] (prompt logprobs)
     <- ["scored", rid, logprobs, meta]
+    -> ["values", rid, input_ids, start, labels, need]  per-position values (kvflow.backends.position_values):
+                                                 labels: log p of those tokens at each position in need (one
+                                                 one-token request per position, reading the prefix cache);
+                                                 labels null: a pooling engine's (a PRM's) logits at every position
+    <- ["scored", rid, {"first", "values"}, meta]  values [n, C] of positions first.. (NaN: not asked)
     -> ["abort", rid]                            the request ends now with finish "abort"
     -> ["shutdown"]
     <- ["error", rid, message]                   a request failed (rid null: the worker failed)
@@ -62,17 +67,20 @@ def resolved_settings(engine) -> dict:
             "block_size": cache.block_size, "kv_blocks": cache.num_gpu_blocks, "enable_prefix_caching": cache.enable_prefix_caching,
             "kv_cache_dtype": str(cache.cache_dtype), "max_num_seqs": sched.max_num_seqs,
             "max_num_batched_tokens": sched.max_num_batched_tokens,
-            "tensor_parallel_size": config.parallel_config.tensor_parallel_size}
+            "tensor_parallel_size": config.parallel_config.tensor_parallel_size, "runner": model.runner_type}
 
 
 class _Serve:
     def __init__(self, engine, out) -> None:
-        from vllm import SamplingParams
+        from vllm import PoolingParams, SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         self.engine, self.out = engine, out
-        self.SamplingParams, self.DELTA = SamplingParams, RequestOutputKind.DELTA
-        self.kinds: dict[str, str] = {}  # rid -> "generate" | "score", while vLLM runs it
+        self.SamplingParams, self.PoolingParams, self.DELTA = SamplingParams, PoolingParams, RequestOutputKind.DELTA
+        self.pooling = engine.vllm_config.model_config.runner_type == "pooling"  # a PRM: values, no tokens
+        self.kinds: dict[str, str] = {}  # rid -> "generate" | "score" | "values" | "value", while vLLM runs it
+        self.parts: dict[str, tuple[str, int]] = {}  # a label request's rid -> (its values request, position)
+        self.pending: dict[str, dict] = {}  # a values request of label requests -> what came back so far
         self.made: dict[str, int] = {}  # rid -> tokens streamed so far
         self.prompt: dict[str, tuple[int, int]] = {}  # rid -> (prompt tokens, start of the scored part)
         self.top_k: dict[str, int] = {}  # rid -> top log-probabilities asked per token
@@ -121,6 +129,9 @@ class _Serve:
                                          output_kind=self.DELTA, detokenize=False)
                 self.engine.add_request(rid, {"prompt_token_ids": ids}, sp)
                 self.kinds[rid], self.made[rid], self.prompt[rid] = "score", 0, (len(ids), start)
+            elif kind == "values":
+                _, rid, ids, _start, labels, need = msg
+                self._values(rid, ids, labels, need)
             elif kind == "abort" and rid in self.kinds:
                 self.engine.abort_request([rid])
                 self._end(rid, "abort", 0)
@@ -156,6 +167,10 @@ class _Serve:
                 if self.kinds[rid] == "score":
                     self._scored(rid, out)
                     continue
+                if self.kinds[rid] in ("values", "value"):
+                    if out.finished:
+                        self._valued(rid, out)
+                    continue
                 c = out.outputs[0]
                 ids = list(c.token_ids)
                 if ids:
@@ -189,6 +204,55 @@ class _Serve:
         self.made.pop(rid)
         n_prompt, _ = self.prompt.pop(rid)
         _send(self.out, "scored", rid, lps, {"prompt_tokens": n_prompt, "cached_tokens": out.num_cached_tokens or 0})
+
+    def _values(self, rid: str, ids: list, labels, need: list) -> None:
+        if self.pooling != (labels is None):
+            raise RuntimeError("a process reward model's values need a pooling engine (vLLM's runner 'pooling'), "
+                               "label log-probabilities a generating one; this engine's runner is "
+                               + ("pooling" if self.pooling else "generate"))
+        if self.pooling:  # every position's two-class logits, no activation (vLLM's token pooling reads no cache)
+            params = self.PoolingParams(task="token_classify", use_activation=False)
+            self.engine.add_request(rid, {"prompt_token_ids": ids}, params)
+            self.kinds[rid] = "values"
+            return
+        positions = sorted(set(int(p) for p in need))
+        if not positions or positions[0] < 0 or positions[-1] >= len(ids):
+            raise ValueError(f"positions {need} outside the {len(ids)} input tokens")
+        self.pending[rid] = {"labels": list(labels), "rows": {}, "left": len(positions), "prompt_tokens": 0,
+                             "cached_tokens": 0, "error": None}
+        for p in positions:  # the next token's distribution after ids[:p + 1]: p's value
+            part = f"{rid}@{p}"
+            sp = self.SamplingParams(max_tokens=1, temperature=0.0, logprob_token_ids=list(labels), detokenize=False)
+            self.engine.add_request(part, {"prompt_token_ids": ids[: p + 1]}, sp)
+            self.kinds[part], self.parts[part] = "value", (rid, p)
+
+    def _valued(self, rid: str, out) -> None:
+        if self.kinds.pop(rid) == "values":
+            data = out.outputs.data  # [tokens, 2]: the prompt's every position
+            _send(self.out, "scored", rid, {"first": 0, "values": data.float().tolist()},
+                  {"prompt_tokens": len(out.prompt_token_ids), "cached_tokens": 0})
+            return
+        parent, p = self.parts.pop(rid)
+        pend = self.pending[parent]
+        try:
+            entry = out.outputs[0].logprobs[0]  # token -> Logprob: the sampled token's and the labels'
+            pend["rows"][p] = [entry[label].logprob for label in pend["labels"]]
+        except Exception as exc:  # noqa: BLE001 - reported once, for the values request
+            pend["error"] = pend["error"] or f"{type(exc).__name__}: {exc}"
+        pend["prompt_tokens"] += len(out.prompt_token_ids)
+        pend["cached_tokens"] += out.num_cached_tokens or 0
+        pend["left"] -= 1
+        if pend["left"]:
+            return
+        del self.pending[parent]
+        if pend["error"]:
+            _send(self.out, "error", parent, pend["error"])
+            return
+        first, last = min(pend["rows"]), max(pend["rows"])
+        nan = [float("nan")] * len(pend["labels"])
+        values = [pend["rows"].get(q, nan) for q in range(first, last + 1)]
+        _send(self.out, "scored", parent, {"first": first, "values": values},
+              {"prompt_tokens": pend["prompt_tokens"], "cached_tokens": pend["cached_tokens"]})
 
     def serve(self, inbox: queue.Queue) -> None:
         while True:

@@ -1,17 +1,28 @@
-"""Scoring on SGLang: per-position values for `prm` and `llm_judge` (issue 26, `PositionValues`).
-Candidate steps' token log-probabilities for `likelihood` come from SGLang's prompt
+"""Per-position values for `prm` and `llm_judge` on a serving engine (SGLang, vLLM): the
+engine side of the scorers' `PositionValues` contract (issue 26; vLLM: issue 41).
+Candidate steps' token log-probabilities for `likelihood` come from the engines' prompt
 log-probabilities through `kvflow.backends.prompt_logprobs.ScoringSession`.
 
 The same contract as `hf`'s `PrefixForward`: for each request (problem key, token ids,
 positions), a small head's outputs at those positions, [k, C] float32. Two kinds of head:
 
-- `head=True`: a process reward model served by kvflow's `Qwen2ForProcessRewardModel`
-  (`prm_model.py`), whose "hidden states" are its two-class logits at every position it runs;
+- `head=True`: a process reward model's two-class logits at every position the engine runs
+  (SGLang: kvflow's `Qwen2ForProcessRewardModel`, `sglang/prm_model.py`, whose "hidden
+  states" they are; vLLM: its own `Qwen2ForProcessRewardModel` on the pooling runner, every
+  token's logits without activation);
 - `labels=[...]`: a causal LM's log-probabilities of a few label tokens ("+"/"-", "Yes"/"No")
   at a position; softmax over them is softmax over the label logits (log-softmax only shifts
   them), so scorers read both kinds alike.
 
-SGLang's radix cache holds each problem's committed prefix, so a request runs only the tokens
+One message per request to the engine's worker, the same on both engines:
+`("values", rid, ids, start, labels, need)` -> `("scored", rid, {"first", "values"}, meta)`,
+values [n, C] of positions first.. (NaN where not computed). SGLang runs the tokens its radix
+cache does not hold, from `start` on for label log-probabilities; vLLM answers label
+log-probabilities at the `need` positions (one one-token request per position, reading the
+prefix cache: `logprob_token_ids`) and a PRM's values at every position (vLLM's token pooling
+reads no prefix cache).
+
+An engine's cache holds each problem's committed prefix, so a request may run only the tokens
 the cache does not hold, and the engine returns values for those positions only. The values
 at cached positions (the committed steps' tags, which `aggregate: min | prod | mean` needs)
 are kept here, per problem: every value a request returned, with its token ids, for the
@@ -19,7 +30,7 @@ problem's last round; a position's value depends only on the tokens up to it, so
 request takes them over its longest common prefix with those. A needed position that the
 engine served from its cache but that is not kept here (the cache held that prefix from
 another request: a duplicate question, a problem scored again after release) is asked for
-again with the cache capped before it (`logprob_start_len`), never guessed.
+again with the cache capped before it (`start`), never guessed.
 """
 
 from __future__ import annotations
@@ -29,7 +40,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from kvflow.backends.sglang.client import EngineError
+from kvflow.errors import EngineError
 from kvflow.components.engine import common_prefix
 
 
@@ -51,20 +62,23 @@ class PositionValues:
         for i, (x, pos) in enumerate(zip(ids, positions)):
             need = [p for p in pos if math.isnan(float(vals[i][p, 0]))]
             if need:
-                todo[i] = self._start(need)
+                todo[i] = (self._start(need), need)
         capped: set[int] = set()
         while todo:
-            replies = self._ask({i: (list(ids[i]), start) for i, start in todo.items()})
+            replies = self._ask({i: (list(ids[i]), start, need) for i, (start, need) in todo.items()})
             again = {}
             for i, (first, values) in replies.items():
-                if len(values):
-                    vals[i][first : first + len(values)] = torch.as_tensor(values, dtype=torch.float32)
+                if len(values):  # NaN rows: positions the engine did not compute (kept values stay)
+                    got = torch.as_tensor(values, dtype=torch.float32)
+                    ran = ~torch.isnan(got[:, 0])
+                    vals[i][first : first + len(values)][ran] = got[ran]
                 need = [p for p in positions[i] if math.isnan(float(vals[i][p, 0]))]
                 if need:
                     if i in capped:
-                        raise EngineError(f"{self.engine.worker.where}: SGLang returned no value at positions {need}")
+                        raise EngineError(f"{self.engine.worker.where}: {self.engine.engine_name} returned no "
+                                          f"value at positions {need}")
                     capped.add(i)
-                    again[i] = min(need)
+                    again[i] = (min(need), need)  # the cache capped before the first
             todo = again
         rounds: dict[str, list[tuple[list[int], torch.Tensor]]] = {}
         for k, x, v in zip(keys, ids, vals):
@@ -91,20 +105,20 @@ class PositionValues:
             out[:n][hole] = values[:n][hole]
         return out
 
-    def _ask(self, requests: dict[int, tuple[list[int], Optional[int]]]) -> dict[int, tuple[int, list]]:
+    def _ask(self, requests: dict[int, tuple[list[int], Optional[int], list[int]]]) -> dict[int, tuple[int, list]]:
         engine = self.engine
         rids = {}
-        for i, (x, start) in requests.items():
+        for i, (x, start, need) in requests.items():
             rid = engine.worker.new_rid("v")
             engine._scores[rid] = None
-            engine.worker.send("values", rid, x, start, self.labels)
+            engine.worker.send("values", rid, x, start, self.labels, need)
             rids[i] = rid
         engine._wait(lambda: all(engine._scores[r] is not None for r in rids.values()), "scores")
         out = {}
         for i, rid in rids.items():
             msg = engine._scores.pop(rid)
             if msg[0] == "error":
-                raise EngineError(f"{engine.worker.where}: SGLang scoring failed: {msg[2]}")
+                raise EngineError(f"{engine.worker.where}: {engine.engine_name} scoring failed: {msg[2]}")
             engine._count_prefix(msg[3])
             self.requests += 1
             self.tokens_run += (msg[3].get("prompt_tokens") or 0) - (msg[3].get("cached_tokens") or 0)
