@@ -112,7 +112,11 @@ def sglang_engine(shared_tiny_qwen):
     from kvflow.backends.sglang import SGLangBackend
     from kvflow.config.schema import ModelConfig
 
-    engine = SGLangBackend.load(ModelConfig(backend="sglang", id=str(shared_tiny_qwen), dtype="float32", device="cpu"))
+    # a fraction SGLang's own memory profile refuses on any machine (the weights would have to fit
+    # in a millionth of free memory): the engine starts because kvflow's plugin sizes a CPU pool from
+    # max_total_tokens alone (test_sglang.py::test_a_cpu_pool_is_max_total_tokens_whatever_memory_seems_free)
+    engine = SGLangBackend.load(ModelConfig(backend="sglang", id=str(shared_tiny_qwen), dtype="float32", device="cpu",
+                                            engine={"mem_fraction_static": 1e-6}))
     yield engine
     engine.close()
 

@@ -18,7 +18,7 @@ from kvflow.config.schema import ModelConfig
 from kvflow.testing.engine_parity import backend_model_dir, load_engine
 from kvflow_builtin.scorers.llm_judge import LLMJudgeScorer
 from kvflow_builtin.scorers.prm import PRMScorer
-from test_prm_prefix import assert_same, rounds, run, schedule
+from test_prm_prefix import assert_same, run, schedule
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,8 @@ Evicted requests' hooks (`evict.py`) are registered only where the worker passed
 decode profile (`KVFLOW_SGLANG_EVICT`, `graph.Profile`): an engine that serves full-context
 proposers or a scorer runs SGLang's own forward untouched.
 
+On a CPU it sizes SGLang's token pool from `max_total_tokens` alone (`_cpu_pool_budget`).
+
 It registers kvflow's `Qwen2ForProcessRewardModel` in SGLang's model registry for an engine
 that serves one (`prm_model.py`).
 
@@ -36,6 +38,7 @@ import time
 
 from kvflow.backends.sglang.hooks import DRAW as _DRAW, NAP as _NAP, SEEDS as _SEEDS, STATE as _STATE  # noqa: E402
 NAP_MS = 100
+_POOL = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._profile_available_bytes"
 _rng = random.SystemRandom()
 
 
@@ -48,6 +51,7 @@ def register() -> None:
     HookRegistry.register(_DRAW, seeded_draw, HookType.REPLACE)
     HookRegistry.register(_NAP, _short_nap, HookType.REPLACE)
     HookRegistry.register(_STATE, _internal_state, HookType.AFTER)
+    HookRegistry.register(_POOL, _cpu_pool_budget, HookType.AROUND)
     if os.environ.get("KVFLOW_SGLANG_EVICT"):  # set by the worker for an engine that serves evicted proposers only
         from kvflow.backends.sglang import hooks
 
@@ -77,6 +81,25 @@ def _internal_state(result, controller, *args, **kwargs):
         out.update(hooks.state())
     result.internal_state["kvflow"] = out
     return result
+
+
+def _cpu_pool_budget(profile, configurator, *args, **kwargs) -> int:
+    """The KV pool's byte budget. On a CPU with `max_total_tokens` set (kvflow's CPU defaults set
+    it, `settings.CPU`) the budget is the machine's whole memory, which SGLang's token cap then
+    cuts to exactly `max_total_tokens`: the same pool on every machine, and a pool the machine
+    cannot hold fails at its allocation, loudly. SGLang's own profile (free memory after the
+    weights loaded, less a slack of the free memory before) reads a cgroup's `memory.current`,
+    which counts the page cache: reading a GGUF file while a second test worker loaded a model
+    made free memory seem to fall by 87% (CI, 2026-12-06: "Loaded weights leave no GPU memory
+    for the KV cache"), and a smaller fall would have shrunk the pool silently. On a GPU, or
+    with no token cap, SGLang's profile."""
+    from sglang.srt.runtime_context import get_schedule
+
+    if str(configurator.device) != "cpu" or get_schedule().max_total_tokens is None:
+        return profile(configurator, *args, **kwargs)
+    import psutil
+
+    return int(psutil.virtual_memory().total)
 
 
 def _short_nap(sleeper, *args, **kwargs) -> None:

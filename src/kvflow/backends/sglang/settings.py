@@ -30,11 +30,10 @@ COMMON = {"log_level": "error", "disable_overlap_schedule": True, "stream_interv
           "sleep_on_idle": True, "sampling_backend": "pytorch"}
 
 #: defaults without a GPU: kvflow's CPU platform (pure-torch kernels), no CUDA graphs, and a
-#: bounded token pool (SGLang would size it from the machine's whole memory). The pool's size is
-#: `max_total_tokens`; the fraction only has to pass SGLang's check that the weights leave room
-#: (f x free memory at start - the weights > 0), and on a CPU "free memory" is the machine's,
-#: which other processes move while the weights load: 0.3 failed that check on a busy machine
-#: ("Loaded weights leave no GPU memory for the KV cache"), 0.8 leaves the margin
+#: bounded token pool (SGLang would size it from the machine's whole memory). The pool is
+#: `max_total_tokens`, whatever the machine's free memory seems to be: kvflow's plugin sizes
+#: it so on a CPU (`plugin._cpu_pool_budget`: SGLang's profile counts the page cache as used,
+#: and refused an engine at 0.8 on a busy CI machine), so the fraction plays no part there
 CPU = {"attention_backend": "torch_native", "disable_cuda_graph": True, "max_total_tokens": 65536,
        "mem_fraction_static": 0.8}
 
