@@ -21,7 +21,7 @@ test:
 	bash scripts/install.sh dev,docs,sglang,ray,serve,vllm
 	$(VENV)/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps \
 		$(addprefix -e ,$(EXAMPLE_PLUGINS))
-	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The quick tier, for work in progress (in the environment `make test` installed): every module
 # at unit level, without the tests that start SGLang engines, a Ray cluster, a browser or runs

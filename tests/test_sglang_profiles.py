@@ -159,7 +159,7 @@ def _check_rkv_engine(engine, ev, h2o, hf_engine):
         engine.start([StartRequest("hello", h2o(h2o.Params(budget=16, buffer=8, window=4)), 1)])
 
 
-def test_a_released_worker_is_closed_before_another_starts_and_a_held_one_is_not():
+def test_a_released_worker_is_closed_before_another_starts_and_a_held_one_is_not(sglang_engine):
     """Workers are shared per (arguments, profile) and kept while idle for reuse, but starting
     another closes the idle ones first: a process (a test session, a sweep, `kvflow serve`)
     never accumulates engines it no longer holds (each ~2 GB here; on a GPU, memory that the
@@ -174,19 +174,17 @@ def test_a_released_worker_is_closed_before_another_starts_and_a_held_one_is_not
         return SGLangBackend.load(ModelConfig(backend="sglang", id=str(model), dtype="float32", device="cpu",
                                               **({"engine": engine} if engine else {})), evicting=False)
 
-    mine = shared_model_dir("qwen2", seed=21)  # models of this test alone: no other test holds their workers
-    first, other = load(mine), load(shared_model_dir("qwen2", seed=22))
+    mine = shared_model_dir("qwen2", seed=21)  # a model of this test alone: no other test holds its workers
+    other = sglang_engine  # the session's engine, held by this module
+    first = load(mine)
+    first.close()
+    again = load(mine)  # idle, same arguments: reused, not restarted
+    assert again.worker is first.worker and first.worker.holders == 1
+    again.close()
+    assert first.worker.proc.poll() is None  # idle: kept until another worker has to start
+    third = load(mine, max_total_tokens=2048)  # other arguments: a new worker
     try:
-        first.close()
-        again = load(mine)  # idle, same arguments: reused, not restarted
-        assert again.worker is first.worker and first.worker.holders == 1
-        again.close()
-        assert first.worker.proc.poll() is None  # idle: kept until another worker has to start
-        third = load(mine, max_total_tokens=2048)  # other arguments: a new worker
-        try:
-            assert first.worker.proc.poll() is not None, "the idle worker outlived the next start"
-            assert other.worker.proc.poll() is None, "a held worker was closed"
-        finally:
-            third.close()
+        assert first.worker.proc.poll() is not None, "the idle worker outlived the next start"
+        assert other.worker.proc.poll() is None, "a held worker was closed"
     finally:
-        other.close()
+        third.close()

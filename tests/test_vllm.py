@@ -10,11 +10,12 @@ a 1 GiB KV cache, eager, one torch thread.
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
 
-from conftest import committed_steps, require_vllm
+from conftest import REPO, committed_steps, require_vllm
 from kvflow.components.base import Trajectory
 from kvflow.components.engine import ProposeRequest, SamplingSpec, StartRequest, SyncRequest
 from kvflow.testing import tiny_pipeline
@@ -161,3 +162,22 @@ def test_a_closed_worker_leaves_no_process():
     assert worker.proc.poll() is not None
     with pytest.raises(ProcessLookupError):
         os.killpg(pid, 0)  # no process of its group is left
+
+
+@pytest.mark.e2e
+def test_the_vllm_quickstart_runs_end_to_end_on_a_catalog_checkpoint(tmp_path, cli):
+    """pipelines/vllm/quickstart.yaml (evicted base, helper and scorer on vLLM), shrunk, on
+    SmolLM2-135M: a real tokenizer, chat template and GGUF-converted weights, through the CLI."""
+    require_vllm()
+    path = tiny_pipeline(tmp_path, include=REPO / "pipelines" / "vllm" / "quickstart.yaml",
+                         model="catalog:smollm2-135m-instruct", problems=2, n=2, max_step_tokens=24, max_tokens=48)
+    result = cli("run", path)
+    assert result.exit_code == 0, result.output
+    (run_dir,) = (tmp_path / "results").iterdir()
+    records = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert len(records) == 2 and all(r["steps"] for r in records)
+    assert {s["source"] for r in records for s in r["steps"]} <= {"base", "helper"}
+    assert all(r["candidates"]["helper"] >= 1 for r in records)
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    # vLLM lives in its own environment: its version is the worker's, recorded with each engine's settings
+    assert {manifest["engine_settings"][m]["vllm"] for m in ("base", "helper")} == {"0.32.0"}

@@ -85,21 +85,39 @@ def _internal_state(result, controller, *args, **kwargs):
 
 def _cpu_pool_budget(profile, configurator, *args, **kwargs) -> int:
     """The KV pool's byte budget. On a CPU with `max_total_tokens` set (kvflow's CPU defaults set
-    it, `settings.CPU`) the budget is the machine's whole memory, which SGLang's token cap then
-    cuts to exactly `max_total_tokens`: the same pool on every machine, and a pool the machine
-    cannot hold fails at its allocation, loudly. SGLang's own profile (free memory after the
-    weights loaded, less a slack of the free memory before) reads a cgroup's `memory.current`,
-    which counts the page cache: reading a GGUF file while a second test worker loaded a model
-    made free memory seem to fall by 87% (CI, 2026-12-06: "Loaded weights leave no GPU memory
-    for the KV cache"), and a smaller fall would have shrunk the pool silently. On a GPU, or
-    with no token cap, SGLang's profile."""
+    it, `settings.CPU`), the memory the machine can give (`_cpu_available_bytes`), which SGLang's
+    token cap then cuts to `max_total_tokens`: the same pool on every machine that holds it.
+    SGLang's own profile (free memory after the weights loaded, less a slack of the free memory
+    before) reads a cgroup's `memory.current`, which counts the page cache: reading a GGUF file
+    while a second test worker loaded a model made free memory seem to fall by 87% (CI,
+    2026-12-06: "Loaded weights leave no GPU memory for the KV cache" at fraction 0.8). On a
+    GPU, or with no token cap, SGLang's profile."""
     from sglang.srt.runtime_context import get_schedule
 
     if str(configurator.device) != "cpu" or get_schedule().max_total_tokens is None:
         return profile(configurator, *args, **kwargs)
+    return _cpu_available_bytes()
+
+
+def _cpu_available_bytes() -> int:
+    """Memory this process can still get: the kernel's MemAvailable (free memory and page cache
+    it can reclaim), and within a cgroup v2 limit its room, the cgroup's page cache counted as
+    free as well (the kernel reclaims it before it kills)."""
+    from pathlib import Path
+
     import psutil
 
-    return int(psutil.virtual_memory().total)
+    available = psutil.virtual_memory().available
+    cgroup = Path("/sys/fs/cgroup")
+    try:
+        limit = (cgroup / "memory.max").read_text().strip()
+        if limit != "max":
+            stat = dict(line.split() for line in (cgroup / "memory.stat").read_text().splitlines())
+            used = int((cgroup / "memory.current").read_text()) - int(stat.get("file", 0))
+            available = min(available, int(limit) - used)
+    except (OSError, ValueError):
+        pass  # no cgroup v2 memory controller here
+    return max(0, int(available))
 
 
 def _short_nap(sleeper, *args, **kwargs) -> None:

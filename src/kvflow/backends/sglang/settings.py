@@ -30,11 +30,13 @@ COMMON = {"log_level": "error", "disable_overlap_schedule": True, "stream_interv
           "sleep_on_idle": True, "sampling_backend": "pytorch"}
 
 #: defaults without a GPU: kvflow's CPU platform (pure-torch kernels), no CUDA graphs, and a
-#: bounded token pool (SGLang would size it from the machine's whole memory). The pool is
-#: `max_total_tokens`, whatever the machine's free memory seems to be: kvflow's plugin sizes
-#: it so on a CPU (`plugin._cpu_pool_budget`: SGLang's profile counts the page cache as used,
-#: and refused an engine at 0.8 on a busy CI machine), so the fraction plays no part there
-CPU = {"attention_backend": "torch_native", "disable_cuda_graph": True, "max_total_tokens": 65536,
+#: bounded token pool (SGLang would size it from the machine's whole memory): 16,384 tokens
+#: (0.5-0.75 GB of KV for the catalog's models in float32; 65,536 made the SGLang quickstart's
+#: two engines take 12 GB, and a CI machine running two test workers killed one). The pool is
+#: `max_total_tokens` wherever the memory the machine can give holds it: kvflow's plugin sizes
+#: a CPU pool so (`plugin._cpu_pool_budget`; SGLang's own profile counts the page cache as used
+#: and refused an engine at fraction 0.8 on a busy CI machine), so the fraction plays no part
+CPU = {"attention_backend": "torch_native", "disable_cuda_graph": True, "max_total_tokens": 16384,
        "mem_fraction_static": 0.8}
 
 #: defaults of an engine that serves evicted proposers, on every device: decode graphs as SGLang
