@@ -103,6 +103,25 @@ def committed_steps(run_dir) -> dict:
     return out
 
 
+def run_shrunk_quickstart(tmp_path, cli, pipeline: Path) -> dict:
+    """Run a shipped quickstart (`pipeline`, e.g. pipelines/sglang/quickstart.yaml) shrunk to 2
+    problems on SmolLM2-135M (a real tokenizer, chat template and GGUF-converted weights)
+    through the CLI; check its records (both problems committed steps, by base or helper, the
+    helper proposed) and return its manifest."""
+    from kvflow.testing import tiny_pipeline
+
+    path = tiny_pipeline(tmp_path, include=pipeline, model="catalog:smollm2-135m-instruct", problems=2, n=2,
+                         max_step_tokens=24, max_tokens=48)
+    result = cli("run", path)
+    assert result.exit_code == 0, result.output
+    (run_dir,) = (tmp_path / "results").iterdir()
+    records = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert len(records) == 2 and all(r["steps"] for r in records)
+    assert {s["source"] for r in records for s in r["steps"]} <= {"base", "helper"}
+    assert all(r["candidates"]["helper"] >= 1 for r in records)
+    return json.loads((run_dir / "manifest.json").read_text())
+
+
 @pytest.fixture(scope="module")
 def sglang_engine(shared_tiny_qwen):
     """The SGLang engine on `shared_tiny_qwen` (float32, CPU): one worker for the session,

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from conftest import REPO, committed_steps, require_sglang, wait_for_first_record
+from conftest import REPO, committed_steps, require_sglang, run_shrunk_quickstart, wait_for_first_record
 from kvflow.components.base import Trajectory
 from kvflow.components.engine import ProposeRequest, SamplingSpec, StartRequest, SyncRequest
 from kvflow.testing import tiny_pipeline
@@ -215,17 +215,7 @@ def test_a_crashed_worker_stops_the_run_clearly_and_the_rerun_resumes(tmp_path, 
 
 @pytest.mark.e2e
 def test_the_sglang_quickstart_runs_end_to_end_on_a_catalog_checkpoint(tmp_path, cli):
-    """pipelines/sglang/quickstart.yaml (evicted base, helper and scorer on one SGLang engine),
-    shrunk, on SmolLM2-135M: a real tokenizer, chat template and GGUF-converted weights."""
+    """pipelines/sglang/quickstart.yaml (evicted base, helper and scorer on SGLang), shrunk, on SmolLM2-135M."""
     require_sglang()
-    path = tiny_pipeline(tmp_path, include=REPO / "pipelines" / "sglang" / "quickstart.yaml",
-                         model="catalog:smollm2-135m-instruct", problems=2, n=2, max_step_tokens=24, max_tokens=48)
-    result = cli("run", path)
-    assert result.exit_code == 0, result.output
-    (run_dir,) = (tmp_path / "results").iterdir()
-    records = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
-    assert len(records) == 2 and all(r["steps"] for r in records)
-    assert {s["source"] for r in records for s in r["steps"]} <= {"base", "helper"}
-    assert all(r["candidates"]["helper"] >= 1 for r in records)
-    manifest = json.loads((run_dir / "manifest.json").read_text())
+    manifest = run_shrunk_quickstart(tmp_path, cli, REPO / "pipelines" / "sglang" / "quickstart.yaml")
     assert manifest["versions"]["sglang"] == "0.5.23"

@@ -116,7 +116,7 @@ def test_engine_settings_an_evicted_proposer_cannot_run_under_are_refused(tmp_pa
 def _rescue(tmp_path, backend: str, model_dir, evictor: str = "rkv"):
     """Greedy KV-Rescue on one tiny model: evicted base (R-KV, or `evictor`), full-context
     helper and the likelihood scorer, all on `backend` (on SGLang: one engine, evicted and
-    full-context requests in the same batches)."""
+    full-context requests in the same batches: `compile.build_plan` loads equal model entries as one)."""
     model = {"backend": backend, "id": str(model_dir)}
     extra = {"models": {"base": model, "helper": model},
              "proposers": {"base": {"sampling": {"temperature": 0}}, "helper": {"sampling": {"temperature": 0}}},
@@ -140,7 +140,8 @@ def test_kv_rescue_with_every_model_on_sglang_commits_what_hf_commits(tmp_path, 
     sources = {src for steps in runs["hf"].values() for _, src, _ in steps}
     assert sources == {"base", "helper"}  # both proposers' paths (adopt and ingest) were taken
     manifest = json.loads((run_dir / "manifest.json").read_text())
-    assert manifest["engine_stats"]
+    # base and helper are equal model entries: one SGLang engine serves both, in the same batches
+    assert list(manifest["engine_stats"]) == list(manifest["occupancy"]) == ["base+helper"]
 
 
 def test_tensor_parallel_ranks_keep_the_budgets_of_their_own_heads(shared_tiny_qwen, hf_engine):

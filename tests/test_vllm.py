@@ -10,12 +10,11 @@ a 1 GiB KV cache, eager, one torch thread.
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 
-from conftest import REPO, committed_steps, require_vllm
+from conftest import REPO, committed_steps, require_vllm, run_shrunk_quickstart
 from kvflow.components.base import Trajectory
 from kvflow.components.engine import ProposeRequest, SamplingSpec, StartRequest, SyncRequest
 from kvflow.testing import tiny_pipeline
@@ -166,18 +165,8 @@ def test_a_closed_worker_leaves_no_process():
 
 @pytest.mark.e2e
 def test_the_vllm_quickstart_runs_end_to_end_on_a_catalog_checkpoint(tmp_path, cli):
-    """pipelines/vllm/quickstart.yaml (evicted base, helper and scorer on vLLM), shrunk, on
-    SmolLM2-135M: a real tokenizer, chat template and GGUF-converted weights, through the CLI."""
+    """pipelines/vllm/quickstart.yaml (evicted base, helper and scorer on vLLM), shrunk, on SmolLM2-135M."""
     require_vllm()
-    path = tiny_pipeline(tmp_path, include=REPO / "pipelines" / "vllm" / "quickstart.yaml",
-                         model="catalog:smollm2-135m-instruct", problems=2, n=2, max_step_tokens=24, max_tokens=48)
-    result = cli("run", path)
-    assert result.exit_code == 0, result.output
-    (run_dir,) = (tmp_path / "results").iterdir()
-    records = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
-    assert len(records) == 2 and all(r["steps"] for r in records)
-    assert {s["source"] for r in records for s in r["steps"]} <= {"base", "helper"}
-    assert all(r["candidates"]["helper"] >= 1 for r in records)
-    manifest = json.loads((run_dir / "manifest.json").read_text())
+    manifest = run_shrunk_quickstart(tmp_path, cli, REPO / "pipelines" / "vllm" / "quickstart.yaml")
     # vLLM lives in its own environment: its version is the worker's, recorded with each engine's settings
     assert {manifest["engine_settings"][m]["vllm"] for m in ("base", "helper")} == {"0.32.0"}

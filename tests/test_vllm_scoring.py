@@ -19,6 +19,7 @@ from kvflow.testing.engine_parity import backend_model_dir, load_engine
 from kvflow_builtin.scorers.llm_judge import LLMJudgeScorer
 from kvflow_builtin.scorers.prm import PRMScorer
 from test_prm_prefix import assert_same, run, schedule
+from test_sglang_scoring import hf_context
 
 
 @pytest.fixture(scope="module")
@@ -36,11 +37,6 @@ def vllm_context(model_dir, engine=None):
     cfg = ModelConfig(backend="vllm", id=str(model_dir), dtype="float32", device="cpu", engine=engine or {})
     return ScorerContext(load_session=lambda key: VLLMBackend.load(cfg).scoring_session(),
                          proposers=["base"], seed=0, models={"prm": cfg, "judge": cfg})
-
-
-def hf_context(model_dir, runner=None):
-    cfg = ModelConfig(id=str(model_dir), dtype="float32", device="cpu")
-    return ScorerContext(load_session=lambda key: runner, proposers=["base"], seed=0, models={"prm": cfg, "judge": cfg})
 
 
 def test_qwen_prm_on_vllm_equals_hf(prm_dir):

@@ -144,6 +144,15 @@ def build_plan(loaded: LoadedPipeline, registry, on_load: Callable[[str], None] 
         if p.evictor.kind != "none":
             spec = loaded.components.proposers[name].evictor
             served.setdefault(p.model, []).append((spec.cls, spec.params))
+    # Model entries with equal settings (the quickstart's evicted base and full-context helper)
+    # load as one model: a backend that shares engines between equal loads (SGLang's workers)
+    # then starts one engine, with one copy of the weights, and batches both proposers'
+    # requests together; an engine that serves evicted proposers serves full-context ones too
+    for key in pipe.models:
+        twins = [other for other in pipe.models if pipe.models[other] == pipe.models[key]]
+        if evicting & set(twins):
+            evicting.add(key)
+            served[key] = [pair for twin in twins for pair in served.get(twin, [])]
 
     def engine_for(key: str):
         if key not in engines:
