@@ -131,11 +131,7 @@ def sglang_engine(shared_tiny_qwen):
     from kvflow.backends.sglang import SGLangBackend
     from kvflow.config.schema import ModelConfig
 
-    # a fraction SGLang's own memory profile refuses on any machine (the weights would have to fit
-    # in a millionth of free memory): the engine starts because kvflow's plugin sizes a CPU pool from
-    # max_total_tokens alone (test_sglang.py::test_a_cpu_pool_is_max_total_tokens_whatever_memory_seems_free)
-    engine = SGLangBackend.load(ModelConfig(backend="sglang", id=str(shared_tiny_qwen), dtype="float32", device="cpu",
-                                            engine={"mem_fraction_static": 1e-6}))
+    engine = SGLangBackend.load(ModelConfig(backend="sglang", id=str(shared_tiny_qwen), dtype="float32", device="cpu"))
     yield engine
     engine.close()
 

@@ -51,10 +51,9 @@ def test_likelihood_scores_equal_hf(sglang_engine, hf_engine):
         assert len(a) == len(b) and b == pytest.approx(a, abs=1e-4)
 
 
-def test_a_cpu_pool_is_max_total_tokens_whatever_memory_seems_free(sglang_engine):
-    """The shared engine starts under mem_fraction_static 1e-6, where SGLang's profile leaves
-    the pool no memory, and its pool is kvflow's CPU max_total_tokens, to the slot: SGLang's
-    profile counts page cache as used, and refused a CI engine at 0.8 (plugin._cpu_pool_budget)."""
+def test_a_cpu_pool_is_max_total_tokens(sglang_engine):
+    """kvflow's CPU default pool, to the slot (plugin._cpu_pool_budget; with a fraction SGLang's
+    own profile refuses: test_sglang_evicted.py's full-pool test)."""
     from kvflow.backends.sglang.settings import CPU
 
     assert sglang_engine.server_state()["kv_slots_total"] == CPU["max_total_tokens"]

@@ -185,9 +185,15 @@ def test_a_full_pool_admits_more_evicted_candidates_than_full_context_ones(share
     from kvflow.testing.third_party import OwnObserveH2O
 
     monkeypatch.delenv("KVFLOW_SGLANG_REPLAY_PROXY", raising=False)
+    # mem_fraction_static 1e-6: SGLang's own memory profile refuses it on any machine (the weights
+    # would have to fit in a millionth of free memory; seen failing with kvflow's hook off); on a
+    # CPU kvflow's plugin sizes the pool from max_total_tokens and the memory available
+    # (plugin._cpu_pool_budget: SGLang's profile counts page cache as used, and refused a CI
+    # engine at 0.8), so the pool is 1024 slots exactly
     engine = SGLangBackend.load(ModelConfig(backend="sglang", id=str(shared_tiny_qwen), dtype="float32",
-                                            device="cpu", engine={"max_total_tokens": 1024}))
+                                            device="cpu", engine={"max_total_tokens": 1024, "mem_fraction_static": 1e-6}))
     try:
+        assert engine.server_state()["kv_slots_total"] == 1024
         own = OwnObserveH2O(OwnObserveH2O.Params(budget=16, buffer=8))
         engine.dump_dir = str(tmp_path)
         try:
