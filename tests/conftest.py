@@ -243,14 +243,16 @@ def _slow(item) -> bool:
 
 
 #: seconds a file's tests took (both workers of `make test` busy, 2-core Xeon, 2026-12-06:
-#: `pytest -n 2 --dist loadfile --durations=0`), for the order below; a file not listed counts 0
+#: `pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=0`), for the order below; a
+#: file not listed counts 0. A file's share moves with what ran before it in its worker (an
+#: SGLang engine another file left idle is reused, one of other arguments is closed first)
 FILE_SECONDS = {
-    "test_sglang.py": 250, "test_sglang_profiles.py": 150, "test_sglang_gpu_settings.py": 150,
-    "test_catalog_engines.py": 115, "test_sglang_evicted.py": 110, "test_serve_sglang.py": 100,
-    "test_sglang_scoring.py": 90, "test_reliability.py": 90, "test_ray_executor.py": 80,
-    "test_evictor_contract.py": 60, "test_sglang_data_parallel.py": 55, "test_scorer_contract.py": 55,
-    "test_sglang_replay.py": 50, "test_doctor.py": 45, "test_vllm_evicted.py": 45, "test_serve.py": 45,
-    "test_pruner_contract.py": 45, "test_e2e.py": 40, "test_doc_examples.py": 40, "test_vllm_scoring.py": 35,
+    "test_sglang.py": 185, "test_sglang_gpu_settings.py": 155, "test_catalog_engines.py": 105,
+    "test_sglang_evicted.py": 100, "test_sglang_profiles.py": 100, "test_sglang_scoring.py": 95,
+    "test_serve_sglang.py": 80, "test_ray_executor.py": 70, "test_sglang_data_parallel.py": 65,
+    "test_serve.py": 60, "test_evictor_contract.py": 60, "test_vllm.py": 55, "test_scorer_contract.py": 55,
+    "test_vllm_evicted.py": 55, "test_pruner_contract.py": 55, "test_reliability.py": 50,
+    "test_sglang_replay.py": 50, "test_e2e.py": 45, "test_doctor.py": 45, "test_serve_harness.py": 40,
 }
 
 

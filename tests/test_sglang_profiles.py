@@ -86,26 +86,6 @@ def test_models_whose_kv_pool_the_hooks_cannot_read_are_refused_for_evicting_eng
 # ---------------------------------------------------------------------- engines (SGLang on the CPU)
 
 
-def test_a_full_context_engine_runs_no_kvflow_hook(shared_tiny_qwen):
-    from conftest import require_sglang
-
-    require_sglang()
-    from kvflow.backends.sglang import SGLangBackend
-    from kvflow.backends.sglang.client import EngineError
-    from kvflow.components.engine import StartRequest
-
-    engine = SGLangBackend.load(ModelConfig(backend="sglang", id=str(shared_tiny_qwen), dtype="float32",
-                                            device="cpu"), evicting=False)
-    try:
-        state = engine.server_state()
-        assert state["evict_hooks"] is False and "profile" not in state and "observed_tokens" not in state
-        rkv = get_registry().get("evictors", "rkv")
-        with pytest.raises(EngineError, match="full-context"):
-            engine.start([StartRequest("hello", rkv(rkv.Params(budget=16, buffer=8, window=4)), 1)])
-    finally:
-        engine.close()
-
-
 def test_profiles_cover_what_they_serve():
     """A running engine whose hook covers a pipeline's evictors serves it (a sweep, a test
     session start one engine, not one per budget); one that lacks a part does not."""
@@ -159,7 +139,22 @@ def _check_rkv_engine(engine, ev, h2o, hf_engine):
         engine.start([StartRequest("hello", h2o(h2o.Params(budget=16, buffer=8, window=4)), 1)])
 
 
-def test_a_released_worker_is_closed_before_another_starts_and_a_held_one_is_not(sglang_engine):
+@pytest.fixture(scope="module")
+def full_context_engine(shared_tiny_qwen):
+    """An engine for full-context proposers on the session's model (no kvflow hook), held by
+    this module; the worker-sharing test starts it as its "next start" (one start for both)."""
+    from conftest import require_sglang
+
+    require_sglang()
+    from kvflow.backends.sglang import SGLangBackend
+
+    engine = SGLangBackend.load(ModelConfig(backend="sglang", id=str(shared_tiny_qwen), dtype="float32",
+                                            device="cpu"), evicting=False)
+    yield engine
+    engine.close()
+
+
+def test_a_released_worker_is_closed_before_another_starts_and_a_held_one_is_not(sglang_engine, request):
     """Workers are shared per (arguments, profile) and kept while idle for reuse, but starting
     another closes the idle ones first: a process (a test session, a sweep, `kvflow serve`)
     never accumulates engines it no longer holds (each ~2 GB here; on a GPU, memory that the
@@ -170,9 +165,9 @@ def test_a_released_worker_is_closed_before_another_starts_and_a_held_one_is_not
     from kvflow.backends.sglang import SGLangBackend
     from kvflow.testing.engine_parity import shared_model_dir
 
-    def load(model, **engine):
-        return SGLangBackend.load(ModelConfig(backend="sglang", id=str(model), dtype="float32", device="cpu",
-                                              **({"engine": engine} if engine else {})), evicting=False)
+    def load(model):
+        return SGLangBackend.load(ModelConfig(backend="sglang", id=str(model), dtype="float32", device="cpu"),
+                                  evicting=False)
 
     mine = shared_model_dir("qwen2", seed=21)  # a model of this test alone: no other test holds its workers
     other = sglang_engine  # the session's engine, held by this module
@@ -182,9 +177,17 @@ def test_a_released_worker_is_closed_before_another_starts_and_a_held_one_is_not
     assert again.worker is first.worker and first.worker.holders == 1
     again.close()
     assert first.worker.proc.poll() is None  # idle: kept until another worker has to start
-    third = load(mine, max_total_tokens=2048)  # other arguments: a new worker
-    try:
-        assert first.worker.proc.poll() is not None, "the idle worker outlived the next start"
-        assert other.worker.proc.poll() is None, "a held worker was closed"
-    finally:
-        third.close()
+    request.getfixturevalue("full_context_engine")  # other arguments: a new worker starts
+    assert first.worker.proc.poll() is not None, "the idle worker outlived the next start"
+    assert other.worker.proc.poll() is None, "a held worker was closed"
+
+
+def test_a_full_context_engine_runs_no_kvflow_hook(full_context_engine):
+    from kvflow.backends.sglang.client import EngineError
+    from kvflow.components.engine import StartRequest
+
+    state = full_context_engine.server_state()
+    assert state["evict_hooks"] is False and "profile" not in state and "observed_tokens" not in state
+    rkv = get_registry().get("evictors", "rkv")
+    with pytest.raises(EngineError, match="full-context"):
+        full_context_engine.start([StartRequest("hello", rkv(rkv.Params(budget=16, buffer=8, window=4)), 1)])
