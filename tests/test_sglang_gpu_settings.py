@@ -158,15 +158,16 @@ def _evicted_on_sglang(directory, model_dir, **engine):
 
 
 def test_a_decode_token_the_hooks_missed_stops_the_engine_and_the_rerun_resumes(tmp_path, cli, shared_tiny_qwen,
-                                                                                 monkeypatch):
+                                                                                 sglang_engine, monkeypatch):
     """A forward whose attention hooks did not run (what a replayed decode graph does; here
     forced by the plugin's fault injection on the 40th decode forward) stops the engine with
     the tripwire's message (exit 1), instead of compacting with stale query windows; the
     results directory keeps what finished, and the rerun (hooks running) resumes to the same
     trajectories as a run that never failed."""
     require_sglang()
-    # the reference on the session's engine; the faulty run on an engine of its own (a pool size
-    # that changes no token), so that the fault reaches no other test
+    # the reference on the session's engine (held here: the run reuses it instead of starting one);
+    # the faulty run on an engine of its own (a pool size that changes no token), so that the
+    # fault reaches no other test
     reference = _evicted_on_sglang(tmp_path / "reference", shared_tiny_qwen)
     assert cli("run", reference).exit_code == 0
     engine = {"max_total_tokens": 60000}
