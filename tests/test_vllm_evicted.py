@@ -127,6 +127,24 @@ def _decode(engine, requests):
     return [[(c.token_ids, c.logprobs) for c in p.candidates] for p in proposals]
 
 
+def _decode_behind(engine, first, behind):
+    """`_decode` of two requests, `behind` submitted once `first` has decoded a few steps: its
+    candidates then run after `first`'s in vLLM's queue, the ones vLLM preempts first when
+    `first`'s need blocks (submitted together, which candidates vLLM admitted first depended on
+    when the worker read them: CI once saw no evicted candidate preempted)."""
+    engine.submit([first])
+    done = {}
+    for step in range(100_000):
+        if step == 3:
+            engine.submit([behind])
+        done.update((id(p.request), p) for p in engine.step())
+        if len(done) == 2:
+            break
+    proposals = [done[id(first)], done[id(behind)]]
+    engine.release([first.state, behind.state], proposals)
+    return [[(c.token_ids, c.logprobs) for c in p.candidates] for p in proposals]
+
+
 def _same(got, want):
     for (tokens_a, lps_a), (tokens_b, lps_b) in zip(got, want, strict=True):
         assert tokens_a == tokens_b
@@ -165,8 +183,8 @@ def test_an_evicted_request_vllm_preempts_for_a_full_context_one_decodes_as_on_h
         for e in (hf_engine, engine):
             (full,) = e.start([StartRequest(chat_prompt(e), full_cache(), 0)])
             (evicted,) = e.start([StartRequest(chat_prompt(e), _rkv(), 9)])
-            runs[e.backend] = _decode(e, [ProposeRequest(full, "base", spec, 0, 400),
-                                          ProposeRequest(evicted, "base", spec, 0, 400)])
+            runs[e.backend] = _decode_behind(e, ProposeRequest(full, "base", spec, 0, 400),
+                                             ProposeRequest(evicted, "base", spec, 0, 400))
         assert engine.stats()["evicted_recomputes"] > 0, "vLLM preempted no evicted candidate: the test tested nothing"
     finally:
         engine.worker.close()
