@@ -122,7 +122,11 @@ def _tight_engine(hf_engine):
 
 def _decode(engine, requests):
     """Each proposal's candidates as (token ids, logprobs), the requests run together."""
-    proposals = run_to_end(engine, requests)
+    return _released(engine, requests, run_to_end(engine, requests))
+
+
+def _released(engine, requests, proposals):
+    """The requests' states released; each proposal's candidates as (token ids, logprobs)."""
     engine.release([r.state for r in requests], proposals)
     return [[(c.token_ids, c.logprobs) for c in p.candidates] for p in proposals]
 
@@ -140,9 +144,7 @@ def _decode_behind(engine, first, behind):
         done.update((id(p.request), p) for p in engine.step())
         if len(done) == 2:
             break
-    proposals = [done[id(first)], done[id(behind)]]
-    engine.release([first.state, behind.state], proposals)
-    return [[(c.token_ids, c.logprobs) for c in p.candidates] for p in proposals]
+    return _released(engine, [first, behind], [done[id(first)], done[id(behind)]])
 
 
 def _same(got, want):

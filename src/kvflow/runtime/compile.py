@@ -148,11 +148,12 @@ def build_plan(loaded: LoadedPipeline, registry, on_load: Callable[[str], None] 
     # load as one model: a backend that shares engines between equal loads (SGLang's workers)
     # then starts one engine, with one copy of the weights, and batches both proposers'
     # requests together; an engine that serves evicted proposers serves full-context ones too
+    own = dict(served)  # each entry's own evictors, before its twins' are added
     for key in pipe.models:
         twins = [other for other in pipe.models if pipe.models[other] == pipe.models[key]]
         if evicting & set(twins):
             evicting.add(key)
-            served[key] = [pair for twin in twins for pair in served.get(twin, [])]
+            served[key] = [pair for twin in twins for pair in own.get(twin, [])]
 
     def engine_for(key: str):
         if key not in engines:

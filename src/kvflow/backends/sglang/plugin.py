@@ -21,7 +21,8 @@ Evicted requests' hooks (`evict.py`) are registered only where the worker passed
 decode profile (`KVFLOW_SGLANG_EVICT`, `graph.Profile`): an engine that serves full-context
 proposers or a scorer runs SGLang's own forward untouched.
 
-On a CPU it sizes SGLang's token pool from `max_total_tokens` alone (`_cpu_pool_budget`).
+On a CPU it sizes SGLang's token pool from `max_total_tokens` and the memory the machine can
+give, page cache counted as free (`_cpu_pool_budget`), instead of SGLang's memory profile.
 
 It registers kvflow's `Qwen2ForProcessRewardModel` in SGLang's model registry for an engine
 that serves one (`prm_model.py`).
@@ -101,13 +102,13 @@ def _cpu_pool_budget(profile, configurator, *args, **kwargs) -> int:
 
 def _cpu_available_bytes() -> int:
     """Memory this process can still get: the kernel's MemAvailable (free memory and page cache
-    it can reclaim), and within a cgroup v2 limit its room, the cgroup's page cache counted as
-    free as well (the kernel reclaims it before it kills)."""
+    it can reclaim, `kvflow.kv_memory.mem_available`), and within a cgroup v2 limit its room,
+    the cgroup's page cache counted as free as well (the kernel reclaims it before it kills)."""
     from pathlib import Path
 
-    import psutil
+    from kvflow.kv_memory import mem_available
 
-    available = psutil.virtual_memory().available
+    available = mem_available()
     cgroup = Path("/sys/fs/cgroup")
     try:
         limit = (cgroup / "memory.max").read_text().strip()
