@@ -8,6 +8,7 @@ from kvflow.registry import get_registry
 from kvflow.testing.evictor_contract import EvictorContract
 
 NAMES = get_registry().names("evictors")
+TINY_ROPE_THETA = 10000.0  # the RoPE base of kvflow.testing.models' tiny configs (transformers' default)
 
 
 def test_builtins_registered():
@@ -22,6 +23,8 @@ class TestRegisteredEvictors(EvictorContract):
         # the contract is about which tokens an evictor keeps; quantized storage (breadthkv's
         # default) has its own tests in tests/test_quant.py
         params_off = {"quantize": None} if "quantize" in cls.Params.model_fields else {}
+        if "rope_theta" in cls.Params.model_fields:  # resolved from the model's config by a run
+            params_off["rope_theta"] = TINY_ROPE_THETA
         return lambda **params: cls(cls.Params(**params_off, **{k: v for k, v in params.items()
                                                                 if k in cls.Params.model_fields}))
 

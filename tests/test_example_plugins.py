@@ -16,7 +16,7 @@ from kvflow.registry import Registry
 from kvflow.testing import tiny_pipeline
 
 PIPELINE = REPO / "plugins" / "tova_ngram.yaml"
-EXAMPLES = {"tova": ("kvflow-example-tova", "evictors"), "ngram": ("kvflow-example-ngram", "pruners")}
+EXAMPLES = {"tova-example": ("kvflow-example-tova", "evictors"), "ngram": ("kvflow-example-ngram", "pruners")}
 
 
 def test_example_plugins_are_installed():
@@ -35,11 +35,11 @@ def test_pipeline_with_both_plugins_runs_on_tiny_models(tmp_path, cli):
     assert result.exit_code == 0, result.output
     (run_dir,) = (tmp_path / "results").iterdir()
     base = yaml.safe_load((run_dir / "config.resolved.yaml").read_text())["proposers"]["base"]
-    assert base["evictor"] == {"kind": "tova", "budget": 64, "buffer": 1}
+    assert base["evictor"] == {"kind": "tova-example", "budget": 64, "buffer": 1}
     assert [p["kind"] for p in base["pruners"]] == ["entropy", "ngram"]
     manifest = json.loads((run_dir / "manifest.json").read_text())
     statuses = {p["name"]: (p["distribution"], p["status"]) for p in manifest["plugins"]}
-    assert statuses["tova"] == ("kvflow-example-tova", "ok") and statuses["ngram"] == ("kvflow-example-ngram", "ok")
+    assert statuses["tova-example"] == ("kvflow-example-tova", "ok") and statuses["ngram"] == ("kvflow-example-ngram", "ok")
     records = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     assert len(records) == 2
     for r in records:
@@ -65,6 +65,6 @@ def test_the_missing_plugin_hint_names_kvflow_plugins():
 
 
 def test_validate_hints_at_the_missing_plugin():
-    r = run_kvflow("validate", str(PIPELINE), env={"KVFLOW_DISABLE_PLUGINS": "tova"})
-    assert r.returncode == 2 and "is the plugin that provides 'tova' installed" in r.stderr
+    r = run_kvflow("validate", str(PIPELINE), env={"KVFLOW_DISABLE_PLUGINS": "tova-example"})
+    assert r.returncode == 2 and "is the plugin that provides 'tova-example' installed" in r.stderr
     assert "`kvflow plugins` lists installed plugins" in r.stderr

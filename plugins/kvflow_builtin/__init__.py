@@ -14,6 +14,13 @@ _EVICTORS = {
     "breadthkv": "kvflow_builtin.evictors.breadthkv:BreadthKVEvictor",
     "pyramidkv": "kvflow_builtin.evictors.pyramidkv:PyramidKVEvictor",
     "ada-snapkv": "kvflow_builtin.evictors.ada_snapkv:AdaSnapKVEvictor",
+    # kvpress's score-only presses (docs/components.md, "kvpress presses in kvflow")
+    "knorm": "kvflow_builtin.evictors.knorm:KnormEvictor",
+    "keydiff": "kvflow_builtin.evictors.keydiff:KeyDiffEvictor",
+    "lagkv": "kvflow_builtin.evictors.lagkv:LagKVEvictor",
+    "tova": "kvflow_builtin.evictors.tova:TOVAEvictor",
+    "cur": "kvflow_builtin.evictors.cur:CUREvictor",
+    "expected-attention": "kvflow_builtin.evictors.expected_attention:ExpectedAttentionEvictor",
 }
 _PRUNERS = {
     "entropy": "kvflow_builtin.pruners.entropy:EntropyPruner",

@@ -52,6 +52,26 @@ class ModelShape:
     d_ffn: int
     n_params: float
     source: str = ""  # where the numbers came from
+    #: plain RoPE's base (None: the config names another RoPE type, or none; see `rope_of`)
+    rope_theta: Optional[float] = None
+    rope_note: str = ""  # why rope_theta is None, for messages
+
+
+def rope_of(cfg: dict) -> tuple[Optional[float], str]:
+    """(base, "") of a config's plain RoPE over the whole head (Llama, Qwen2, Mistral: the
+    `default` rope type, transformers 5's `rope_parameters` or the older `rope_theta` /
+    `rope_scaling`), else (None, why not)."""
+    params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    scaling = cfg.get("rope_scaling") if isinstance(cfg.get("rope_scaling"), dict) else {}
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    theta = params.get("rope_theta", cfg.get("rope_theta"))
+    if kind != "default":
+        return None, f"RoPE type '{kind}' (only plain RoPE is supported)"
+    if float(cfg.get("partial_rotary_factor") or 1.0) != 1.0:
+        return None, f"partial rotary factor {cfg['partial_rotary_factor']} (only RoPE over the whole head)"
+    if theta is None:
+        return None, "no rope_theta in the config"
+    return float(theta), ""
 
 
 def _preset(name: str, L: int, d: int, h_kv: int, d_h: int, d_ffn: int, P: float) -> ModelShape:
@@ -127,7 +147,8 @@ def shape_from_config(cfg: dict, name: str, n_params: Optional[float] = None, so
         emb = vocab * d * (1 if cfg.get("tie_word_embeddings", False) else 2)
         n_params = float(L * layer + emb + d)
         source += " (P estimated)"
-    return ModelShape(name, L, d, n_q, h_kv, d_h, d_ffn, float(n_params), source)
+    theta, note = rope_of(cfg)
+    return ModelShape(name, L, d, n_q, h_kv, d_h, d_ffn, float(n_params), source, theta, note)
 
 
 def _safetensors_params(directory: Path) -> Optional[float]:
@@ -180,8 +201,11 @@ def shape_from_gguf(path: Path, name: str) -> ModelShape:
     d_h = field(f"{arch}.attention.key_length") or d // n_q
     d_ffn = field(f"{arch}.feed_forward_length") or 4 * d
     params = float(sum(int(t.n_elements) for t in reader.tensors))
+    theta = field(f"{arch}.rope.freq_base")
+    plain = arch in ("llama", "qwen2", "mistral") and field(f"{arch}.rope.scaling.type") in (None, "none")
     return ModelShape(name, int(L), int(d), int(n_q), int(h_kv), int(d_h), int(d_ffn), params,
-                      f"{path.name} (GGUF metadata)")
+                      f"{path.name} (GGUF metadata)", float(theta) if theta and plain else None,
+                      "" if theta and plain else f"no plain RoPE base in the {arch} GGUF metadata")
 
 
 def resolve_shape(spec: str) -> ModelShape:

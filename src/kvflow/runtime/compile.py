@@ -226,6 +226,7 @@ def _plan(loaded, pipe, placement, engines, engine_for):
         engine = engine_for(cfg.model)
         refuse_unfilled_trace_fields(loaded, name, comps.pruners, engine)
         evictor_params = resolve_budget_bytes(loaded, name, comps.evictor.params, engine.kv_shape())
+        evictor_params = resolve_rope_theta(loaded, name, evictor_params, pipe.models[cfg.model].id)
         evictor = comps.evictor.cls(evictor_params)
         check_allocation(loaded, name, evictor, engine.kv_shape()[0])
         proposers.append(Proposer(name, engine, evictor, spec))
@@ -442,6 +443,26 @@ def resolve_budget_bytes(loaded: LoadedPipeline, proposer: str, params, kv_shape
                                                f"this model ({layers} layers x {heads} KV heads x head_dim {dim}, "
                                                f"{elem} bytes/element): {e}",
                                         "raise budget_bytes; `kvflow explain` shows the bytes per token")]) from None
+
+
+def resolve_rope_theta(loaded: LoadedPipeline, proposer: str, params, model_id: str):
+    """Evictor params whose `rope_theta` field is unset (expected-attention) with the model's
+    RoPE base read from its config (the same on every engine); a model without plain RoPE is
+    a UserError naming the field. Others unchanged."""
+    if "rope_theta" not in type(params).model_fields or params.rope_theta is not None:
+        return params
+    from kvflow.cost import resolve_shape
+
+    where = f"proposers.{proposer}.evictor.rope_theta"
+    try:
+        shape = resolve_shape(model_id)
+    except UserError as e:
+        raise UserError([loaded.problem(where, f"cannot read the model's RoPE base: {e}",
+                                        "give rope_theta in the evictor")]) from None
+    if shape.rope_theta is None:
+        raise UserError([loaded.problem(where, f"{model_id}: {shape.rope_note}; this evictor rotates queries "
+                                               "with plain RoPE", "use another evictor for this model")])
+    return params.model_copy(update={"rope_theta": shape.rope_theta})
 
 
 def check_allocation(loaded: LoadedPipeline, proposer: str, evictor, num_layers: int) -> None:

@@ -2,7 +2,7 @@
 
     from kvflow.testing import tiny_pipeline
 
-    path = tiny_pipeline(tmp_path, evictor={"kind": "tova", "budget": 16}, pruners=[{"kind": "ngram"}])
+    path = tiny_pipeline(tmp_path, evictor={"kind": "tova-example", "budget": 16}, pruners=[{"kind": "ngram"}])
     # kvflow run <path>  ->  <tmp_path>/results/tiny__<hash>/ in a few seconds on a CPU
 
 `tiny_pipeline` writes, under a directory: the tiny random-weight models of

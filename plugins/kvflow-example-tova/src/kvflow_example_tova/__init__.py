@@ -1,7 +1,7 @@
 """kvflow plugin `tova`: registers the TOVA evictor (see `kvflow_example_tova.evictor`).
 
 The target is a lazy "module:Class" string, so `kvflow validate` and `kvflow ls` never
-import torch for it; the class is imported when a pipeline uses `kind: tova`.
+import torch for it; the class is imported when a pipeline uses `kind: tova-example`.
 """
 
 import kvflow
@@ -9,4 +9,4 @@ import kvflow
 
 @kvflow.hookimpl
 def register_evictors(register):
-    register("tova", "kvflow_example_tova.evictor:TovaEvictor")
+    register("tova-example", "kvflow_example_tova.evictor:TovaEvictor")
