@@ -40,3 +40,15 @@ class TestThirdPartyKeyNorm(EvictorContract):
         from kvflow.testing.third_party import KeyNormEvictor
 
         return lambda **params: KeyNormEvictor(KeyNormEvictor.Params(**params))
+
+
+class TestWrappedScorers(EvictorContract):
+    """Any scorer under kvpress-style wrappers (`allocation: {kind: adakv}` / `{kind: pyramid}`),
+    with no class of its own, passes the same contract on every engine."""
+
+    @pytest.fixture(scope="class", params=[("keydiff", "adakv"), ("knorm", "pyramid")], ids=lambda p: "+".join(p))
+    @classmethod
+    def evictor_factory(cls, request):
+        kind, wrapper = request.param
+        cls = get_registry().get("evictors", kind)
+        return lambda **params: cls(cls.Params(allocation={"kind": wrapper}, **params))

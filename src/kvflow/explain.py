@@ -156,8 +156,10 @@ def _varies(evictor: "ComponentSpec") -> bool:
     from kvflow.components.base import Evictor
 
     cls = evictor.cls
-    return bool(getattr(cls, "bounded", True) and issubclass(cls, Evictor) and (
-        getattr(cls, "adaptive_heads", False) or cls.layer_budgets is not Evictor.layer_budgets))
+    if not (getattr(cls, "bounded", True) and issubclass(cls, Evictor)):
+        return False
+    adaptive = cls.adaptive_heads is True or getattr(evictor.params, "allocation", None) is not None
+    return bool(adaptive or cls.layer_budgets is not Evictor.layer_budgets)
 
 
 def kv_tokens(evictor: "ComponentSpec", max_tokens: int) -> tuple[int, str]:

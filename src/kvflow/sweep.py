@@ -107,6 +107,39 @@ def parse_sweeps(specs: Iterable[str]) -> list[Axis]:
     return axes
 
 
+def with_file_axes(file, axes: Sequence[Axis], sets: Sequence[str] = (), unsets: Sequence[str] = (),
+                   registry=None) -> list[Axis]:
+    """The pipeline file's own `sweep:` axes (in its order), each replaced by a --sweep on the
+    same path, then the --sweep axes it does not have."""
+    import yaml
+
+    from kvflow.config.validate import load_pipeline
+
+    own = load_pipeline(file, sets=sets, unsets=unsets, registry=registry).pipeline.sweep
+    given = {a.path: a for a in axes}
+    out = []
+    for path, values in own.items():
+        key = format_path(parse_path(path))
+        texts = tuple(yaml.safe_dump(v, default_flow_style=True, width=10**6).strip().removesuffix("\n...")
+                      .removesuffix("...").strip() for v in values)
+        out.append(given.pop(key, Axis(key, texts)))
+    return out + [a for a in axes if a.path in given]
+
+
+def _unbounded_evictor_settings(point: Point) -> set[str]:
+    """The settings of a point that only set fields of a proposer's evictor that keeps every
+    token (`none`: its budget, buffer, window are unused), so that its points at several budgets
+    are one run."""
+    loaded = point.loaded
+    drop = set()
+    for name, comps in loaded.components.proposers.items():
+        if getattr(comps.evictor.cls, "bounded", True):
+            continue
+        prefix = f"proposers.{name}.evictor."
+        drop |= {path for path, _ in point.settings if path.startswith(prefix) and path != prefix + "kind"}
+    return drop
+
+
 def expand(axes: Sequence[Axis]) -> list[Point]:
     """The cross product of the axes, first axis slowest."""
     combos = itertools.product(*[[(a.path, v) for v in a.values] for a in axes])
@@ -150,6 +183,7 @@ def load_points(file, axes: Sequence[Axis], sets: Sequence[str] = (), unsets: Se
                                   f"{'; '.join(labels)})", p.hint)
             problems.append(p)
         raise UserError(problems)
+    points = _merge_full_kv(file, points, sets, unsets, registry)
     by_dir: dict[Path, list[str]] = {}
     for point in points:
         by_dir.setdefault(results_path(point.loaded), []).append(point.label)
@@ -160,6 +194,29 @@ def load_points(file, axes: Sequence[Axis], sets: Sequence[str] = (), unsets: Se
     return points
 
 
+def _merge_full_kv(file, points: list[Point], sets, unsets, registry) -> list[Point]:
+    """Points whose evictor keeps every token lose their settings of its unused fields (a
+    budget axis), and those left equal to an earlier point are dropped: full KV runs once."""
+    from kvflow.config.validate import load_pipeline
+
+    out: list[Point] = []
+    seen: set[tuple] = set()
+    for point in points:
+        drop = _unbounded_evictor_settings(point)
+        if drop:
+            kept = tuple((p, v) for p, v in point.settings if p not in drop)
+            loaded = load_pipeline(file, sets=[*sets, *(f"{p}={v}" for p, v in kept)], unsets=unsets,
+                                   registry=registry)
+            point = Point(point.index, kept, tuple(n for n, (p, _) in zip(point.names, point.settings)
+                                                   if p not in drop), loaded)
+        key = point.settings
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append(point)
+    return out
+
+
 def run_sweep(file, sweeps: Sequence[str], *, sets: Sequence[str] = (), unsets: Sequence[str] = (),
               force: bool = False, registry=None, say: Optional[Callable[[str], None]] = None,
               ray_address: Optional[str] = None) -> int:
@@ -168,7 +225,10 @@ def run_sweep(file, sweeps: Sequence[str], *, sets: Sequence[str] = (), unsets: 
     from kvflow.runtime import runner
 
     say = say or (lambda m: print(f"kvflow: {m}", file=sys.stderr, flush=True))
-    axes = parse_sweeps(sweeps)
+    axes = with_file_axes(file, parse_sweeps(sweeps), sets, unsets, registry)
+    if not axes:
+        raise UserError([ConfigProblem(SWEEP_FILE, 0, "", "nothing to sweep", "give --sweep PATH=V1,V2 or a "
+                                                                               "`sweep:` mapping in the pipeline")])
     points = load_points(file, axes, sets, unsets, registry)
     total = len(points)
     say(f"sweep: {total} point(s) over {', '.join(a.path for a in axes)}")

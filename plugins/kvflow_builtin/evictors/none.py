@@ -14,9 +14,9 @@ class NoEvictionParams(EvictorParams):
 
     @model_validator(mode="after")
     def _nothing_to_budget(self):
-        if self.budget_bytes is not None or self.quantize is not None:
-            raise ValueError("`none` keeps every token at full precision: budget_bytes and quantize need an "
-                             "evicting method (e.g. kind: snapkv)")
+        if self.budget_bytes is not None or self.quantize is not None or self.allocation is not None:
+            raise ValueError("`none` keeps every token at full precision: budget_bytes, quantize and allocation "
+                             "need an evicting method (e.g. kind: snapkv)")
         return self
 
 

@@ -67,13 +67,13 @@ def run(
     plain_log(log)
     code = 0
     with errors("kvflow: interrupted; finished problems are saved, run the same command again to resume"):
-        if sweep:
+        loaded = None if sweep else load_pipeline(file, sets=set_ or (), unsets=unset or (), registry=plugin_registry())
+        if sweep or loaded.pipeline.sweep:
             from kvflow.sweep import run_sweep
 
-            code = run_sweep(file, sweep, sets=set_ or (), unsets=unset or (), force=force, registry=plugin_registry(),
-                             ray_address=ray_address)
+            code = run_sweep(file, sweep or [], sets=set_ or (), unsets=unset or (), force=force,
+                             registry=plugin_registry(), ray_address=ray_address)
             raise typer.Exit(code)
-        loaded = load_pipeline(file, sets=set_ or (), unsets=unset or (), registry=plugin_registry())
         check_kv_memory(loaded)  # before any model loads (once loaded, each prompt is checked)
         from kvflow.runtime.runner import run_pipeline  # heavy (torch, transformers): only here
 

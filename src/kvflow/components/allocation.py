@@ -33,8 +33,8 @@ from kvflow._lazy import torch
 from kvflow.components.base import EvictorParams
 from kvflow.components.selection import adaptive_keep
 
-__all__ = ["AdaptiveHeads", "AdaptiveParams", "PyramidLayers", "PyramidParams", "adaptive_keep", "hole_index",
-           "hole_mask", "pyramid_budgets"]
+__all__ = ["AdaptiveHeads", "AdaptiveParams", "PyramidLayers", "PyramidParams", "adaptive_keep", "head_capacity",
+           "hole_index", "hole_mask", "pyramid_budgets"]
 
 
 def pyramid_budgets(budget: int, window: int, num_layers: int, beta: float, held: int) -> list[int]:
@@ -100,8 +100,9 @@ class PyramidParams(EvictorParams):
 
 
 class PyramidLayers:
-    """Mixin: PyramidKV's per-layer budgets (see `pyramid_budgets`). Put it before the scoring
-    evictor: `class PyramidSnapKV(PyramidLayers, SnapKVEvictor)`."""
+    """Mixin: PyramidKV's per-layer budgets (see `pyramid_budgets`) with `beta` at the top level
+    of the evictor's Params (`pyramidkv`). Any evictor takes the same allocation as
+    `allocation: {kind: pyramid}` without a class of its own; this mixin is the older way."""
 
     def layer_budgets(self, num_layers: int) -> list[int]:
         p = self.params
@@ -118,9 +119,17 @@ class AdaptiveParams(EvictorParams):
     _uniform_storage = model_validator(mode="after")(_no_quantize)
 
 
+def head_capacity(layer_budget: int, kv_heads: int, safeguard: float, head_cap: Optional[float]) -> int:
+    """Most tokens one KV head may keep under Ada-KV with this safeguard: all the layer's
+    tokens but the other heads' floors, or `head_cap x layer_budget` (never below the budget)."""
+    most = kv_heads * layer_budget - (kv_heads - 1) * int(safeguard * layer_budget)
+    return most if head_cap is None else max(layer_budget, min(most, math.floor(head_cap * layer_budget)))
+
+
 class AdaptiveHeads:
-    """Mixin: Ada-KV's head-adaptive allocation (see `adaptive_keep`). Put it before the
-    scoring evictor: `class AdaSnapKV(AdaptiveHeads, SnapKVEvictor)`."""
+    """Mixin: Ada-KV's head-adaptive allocation (see `adaptive_keep`) with its parameters at the
+    top level of the evictor's Params (`ada-snapkv`). Any evictor takes the same allocation as
+    `allocation: {kind: adakv}` without a class of its own; this mixin is the older way."""
 
     adaptive_heads = True
 
@@ -128,6 +137,4 @@ class AdaptiveHeads:
         return int(self.params.safeguard * layer_budget)
 
     def head_capacity(self, layer_budget: int, kv_heads: int) -> int:
-        most = kv_heads * layer_budget - (kv_heads - 1) * self.head_floor(layer_budget)
-        cap = self.params.head_cap
-        return most if cap is None else max(layer_budget, min(most, math.floor(cap * layer_budget)))
+        return head_capacity(layer_budget, kv_heads, self.params.safeguard, self.params.head_cap)

@@ -78,8 +78,6 @@ class Evictor:
     bounded: ClassVar[bool] = True
     #: True for methods that need `observe()` at every forward (see the class docstring).
     observes_attention: ClassVar[bool] = False
-    #: True: a layer's kept tokens are ranked across its KV heads (Ada-KV; see the class docstring).
-    adaptive_heads: ClassVar[bool] = False
 
     def __init__(self, params: EvictorParams) -> None:
         """kvflow builds one evictor per proposer as `Evictor(params)`, `params` its validated
@@ -96,6 +94,12 @@ class Evictor:
         return 0
 
     @property
+    def adaptive_heads(self) -> bool:
+        """True: a layer's kept tokens are ranked across its KV heads (Ada-KV: `allocation:
+        {kind: adakv}`, or the `AdaptiveHeads` mixin; see the class docstring)."""
+        return getattr(getattr(self.params, "allocation", None), "kind", None) == "adakv"
+
+    @property
     def trigger(self) -> int:
         """Resident length at which a row is compacted."""
         return self.params.budget + self.params.buffer
@@ -103,13 +107,29 @@ class Evictor:
     def layer_budgets(self, num_layers: int) -> list[int]:
         """Tokens each layer keeps per KV head after a compaction (a layer of an adaptive
         evictor keeps kv_heads x this in all). Must sum to `budget x num_layers`, each above
-        `window` and at most `budget + buffer`; `allocation()` checks. Default: `budget`."""
-        return [self.params.budget] * num_layers
+        `window` and at most `budget + buffer`; `allocation()` checks. Default: `budget`, or
+        PyramidKV's sequence with `allocation: {kind: pyramid}`."""
+        p = self.params
+        spread = getattr(p, "allocation", None)
+        if getattr(spread, "kind", None) == "pyramid":
+            from kvflow.components.allocation import pyramid_budgets
+
+            return pyramid_budgets(p.budget, p.window, num_layers, spread.beta, self.trigger)
+        return [p.budget] * num_layers
+
+    def head_floor(self, layer_budget: int) -> int:
+        """Fewest tokens one KV head keeps under an adaptive allocation (Ada-KV's safeguard)."""
+        return int(self.params.allocation.safeguard * layer_budget) if self.adaptive_heads else 0
 
     def head_capacity(self, layer_budget: int, kv_heads: int) -> int:
         """Most tokens one KV head of a layer with `layer_budget` may keep: the width the
-        cache stores per head (adaptive evictors override; see `allocation.AdaptiveHeads`)."""
-        return layer_budget
+        cache stores per head (see `allocation.head_capacity`)."""
+        if not self.adaptive_heads:
+            return layer_budget
+        from kvflow.components.allocation import head_capacity
+
+        spread = self.params.allocation
+        return head_capacity(layer_budget, kv_heads, spread.safeguard, spread.head_cap)
 
     def allocation(self, num_layers: int) -> list[int]:
         """`layer_budgets(num_layers)`, checked: exact total, each layer above the window and

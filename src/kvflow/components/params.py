@@ -7,7 +7,7 @@ descriptions. Re-exported by `kvflow.components.base`, the import path plugins u
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -34,6 +34,34 @@ class QuantizeParams(Params):
                                                 "quantized part is a whole number of key groups).")
 
 
+class AdaKVAllocation(Params):
+    """Ada-KV's head-adaptive budgets around any scorer (kvpress's `AdaKVPress`; Feng et al. 2024,
+    arXiv 2407.11550): a layer's `kv_heads x budget` tokens are spent across its KV heads by one
+    ranking of the scorer's scores (`kvflow.components.selection.adaptive_keep`), each head
+    keeping at least `safeguard x budget`. The scores must be comparable across heads."""
+
+    kind: Literal["adakv"]
+    safeguard: float = Field(0.2, ge=0.0, le=1.0, description="Every head keeps at least α × the layer budget "
+                                                              "(Ada-KV's α, 0.2 in the paper's code and kvpress).")
+    head_cap: Optional[float] = Field(
+        None, ge=1.0, description="Most tokens one head may keep, in multiples of the layer budget (the cache "
+        "stores this many per head). null: as many as the safeguard leaves, kv_heads - (kv_heads - 1) α.")
+
+
+class PyramidAllocation(Params):
+    """PyramidKV's per-layer budgets around any scorer (kvpress's `PyramidKVPress`; Cai et al.
+    2024, arXiv 2406.02069): lower layers keep more, higher ones fewer, in an arithmetic
+    sequence with the same total (`kvflow.components.allocation.pyramid_budgets`)."""
+
+    kind: Literal["pyramid"]
+    beta: float = Field(20.0, ge=1.0, description="PyramidKV's β: the top layer keeps (budget - window) / β "
+                                                  "besides the window, the first layer about twice the mean.")
+
+
+#: how an evictor's budget is spread over layers and heads; null: `budget` for every (layer, KV head)
+Allocation = Annotated[Union[AdaKVAllocation, PyramidAllocation], Field(discriminator="kind")]
+
+
 class EvictorParams(Params):
     budget: int = Field(64, ge=1, description="Tokens kept per (layer, KV head) after a compaction.")
     buffer: int = Field(128, ge=1, description="Tokens appended between compactions; the peak is budget + buffer.")
@@ -45,6 +73,10 @@ class EvictorParams(Params):
         "token budget that fits, from the model's shape and dtype, when the run starts.")
     quantize: Optional[QuantizeParams] = Field(
         None, description="Store the kept tokens quantized (BreadthKV / KIVI style); null keeps full precision.")
+    allocation: Optional[Allocation] = Field(
+        None, description="Spread the budget over heads ({kind: adakv, safeguard}) or layers ({kind: pyramid, "
+        "beta}) around this evictor's scores, as kvpress's AdaKVPress / PyramidKVPress wrap a press; null: "
+        "`budget` for every (layer, KV head).")
 
     @model_validator(mode="after")
     def _window_inside_budget(self):
@@ -55,6 +87,9 @@ class EvictorParams(Params):
         if self.budget and self.window >= self.budget:
             raise ValueError(f"window ({self.window}) must be smaller than budget ({self.budget}): the recent "
                              "window is kept inside the budget")
+        if self.allocation is not None and self.allocation.kind == "adakv" and self.quantize is not None:
+            raise ValueError("quantize does not combine with budgets that vary by head yet (the quantized store "
+                             "splits a layer's heads alike); use allocation {kind: pyramid} or none")
         q = self.quantize if self.budget else None  # budget 0: `none`, which rejects quantize itself
         if q is not None and q.residual + q.group_size > self.budget:
             raise ValueError(f"quantize.residual ({q.residual}) + quantize.group_size ({q.group_size}) must not "

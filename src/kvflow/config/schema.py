@@ -209,6 +209,18 @@ class Pipeline(Frozen):
     limits: LimitsConfig = LimitsConfig()
     run: RunConfig = RunConfig()
     serve: ServeConfig = Field(default_factory=ServeConfig, description="`kvflow serve` only (docs/serve.md).")
+    sweep: dict[str, list[Any]] = Field(
+        default_factory=dict, description="`kvflow run` only: a grid, dotted path -> values, run as with one "
+        "`--sweep PATH=V1,V2` per entry (first entry slowest); a --sweep on the same path replaces it. Not part of "
+        "a point's configuration (its results directory).")
+
+    @field_validator("sweep")
+    @classmethod
+    def _sweep_values(cls, v: dict) -> dict:
+        for path, values in v.items():
+            if not values:
+                raise ValueError(f"sweep axis '{path}' has no values")
+        return v
 
     @field_validator("proposers")
     @classmethod

@@ -92,6 +92,7 @@ NOT_HASHED = (("dataset", "limit"), ("run", "batch_problems"), ("run", "live_pro
 def config_hash(resolved: dict) -> str:
     """Short (8 hex) sha256 of the canonical JSON of a resolved pipeline, without NOT_HASHED."""
     data = dict(resolved)
+    data.pop("sweep", None)  # the grid a point belongs to is not the point's configuration
     for section, key in NOT_HASHED:
         if isinstance(data.get(section), dict) and key in data[section]:
             data[section] = {k: v for k, v in data[section].items() if k != key}
