@@ -30,7 +30,7 @@ import sys
 import textwrap
 import types
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import pytest
 from pydantic import BaseModel
@@ -303,6 +303,8 @@ def _type_name(ann: Any) -> str:
     origin, args = get_origin(ann), get_args(ann)
     if ann is type(None):
         return "null"
+    if origin is Annotated:  # a discriminated union: the union it annotates
+        return _type_name(args[0])
     if origin is Literal:
         return " \\| ".join(f"`{a}`" for a in args)
     if origin is Union or (hasattr(types, "UnionType") and origin is types.UnionType):
@@ -431,7 +433,10 @@ def render_components_doc(text: str) -> str:
     reg = _registry()
     for kind, name, _ in _builtin_components():
         text = _replace_block(text, _params_marker(kind, name), params_table(reg.get(kind, name)))
-    for cls in (base.EvictorParams, base.PrunerParams, base.ScorerParams):  # the shared parameters
+    from kvflow.components import params as component_params
+
+    for cls in (base.EvictorParams, base.PrunerParams, base.ScorerParams,  # the shared parameters
+                component_params.AdaKVAllocation, component_params.PyramidAllocation):  # the allocation wrappers
         text = _replace_block(text, f"params {cls.__name__}", field_table(cls, header="parameter"))
     return text
 

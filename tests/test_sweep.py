@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvflow.errors import UserError
-from kvflow.sweep import expand, load_points, parse_sweeps, short_names, split_values
+from kvflow.sweep import expand, load_points, parse_sweeps, short_names, split_values, with_file_axes
 
 REPO = Path(__file__).resolve().parents[1]
 QUICK = REPO / "pipelines" / "quickstart.yaml"
@@ -108,3 +108,59 @@ def test_cli_sweep_interrupt_exits_130(tmp_path, cli, monkeypatch):
     monkeypatch.setattr(runner, "run_pipeline", interrupted)
     res = cli("run", QUICK, "--set", f"run.output={tmp_path}", "--sweep", "run.seed=0,1")
     assert res.exit_code == 130 and "interrupted" in res.stderr
+
+
+def _sweep_file(tmp_path, body: str) -> Path:
+    path = tmp_path / "grid.yaml"
+    path.write_text(f"include: {QUICK}\nname: grid\n{body}", encoding="utf-8")
+    return path
+
+
+def test_a_pipelines_sweep_mapping_runs_as_its_grid(tmp_path, cli, monkeypatch):
+    calls: list = []
+    _fake_runner(monkeypatch, calls)
+    out = tmp_path / "out"
+    path = _sweep_file(tmp_path, "sweep:\n  proposers.base.evictor.budget: [32, 64]\n"
+                                 "  proposers.base.evictor.kind: [none, snapkv, knorm]\n")
+    res = cli("run", path, "--set", f"run.output={out}")
+    assert res.exit_code == 0, res.output
+    # full KV ignores the budget axis: it runs once, at the first budget's place
+    assert "sweep: 5 point(s)" in res.stderr and len(calls) == 5 and len({c[0] for c in calls}) == 5
+    assert "kind=none" in res.stdout and "budget=64 kind=knorm" in res.stdout
+    # the grid is not part of a point's configuration: a plain run of one point finds its directory
+    from kvflow.config.validate import load_pipeline
+
+    one = load_pipeline(path, sets=[f"run.output={out}", "proposers.base.evictor.kind=knorm",
+                                    "proposers.base.evictor.budget=64", "sweep={}"])
+    assert any(d.name.endswith(one.hash) for d in out.iterdir())
+    # a --sweep on the same path replaces the file's axis
+    res = cli("run", path, "--set", f"run.output={out}", "--sweep", "proposers.base.evictor.kind=snapkv")
+    assert res.exit_code == 0 and "sweep: 2 point(s)" in res.stderr and len(calls) == 5  # both complete
+    res = cli("run", path, "--set", f"run.output={out}", "--sweep", "proposers.base.evictor.budget=16")
+    assert res.exit_code == 0 and "sweep: 3 point(s)" in res.stderr and len(calls) == 7  # none: complete
+
+
+def test_a_bad_sweep_mapping_is_a_user_error(tmp_path, cli, monkeypatch):
+    calls: list = []
+    _fake_runner(monkeypatch, calls)
+    path = _sweep_file(tmp_path, "sweep:\n  proposers.base.evictor.kind: [snapkv, nosuchevictor]\n")
+    res = cli("run", path, "--set", f"run.output={tmp_path / 'out'}")
+    assert res.exit_code == 2 and calls == [] and "nosuchevictor" in res.stderr and "Traceback" not in res.output
+    path = _sweep_file(tmp_path, "sweep:\n  proposers.base.evictor.kind: []\n")
+    res = cli("run", path, "--set", f"run.output={tmp_path / 'out'}")
+    assert res.exit_code == 2 and "has no values" in res.stderr and calls == []
+
+
+def test_the_leaderboard_sweep_runs_every_builtin_evictor_and_full_kv():
+    import yaml
+
+    from kvflow.registry import get_registry
+
+    path = REPO / "pipelines" / "leaderboard" / "gsm8k_cpu.yaml"
+    grid = yaml.safe_load(path.read_text())["sweep"]
+    kinds = grid["proposers.base.evictor.kind"]
+    reg = get_registry()
+    builtin = {n for n in reg.names("evictors") if reg.info("evictors", n).plugin == "builtin"}
+    assert set(kinds) == builtin and kinds[0] == "none" and len(grid["proposers.base.evictor.budget"]) >= 2
+    points = load_points(path, with_file_axes(path, []))
+    assert len(points) == (len(kinds) - 1) * len(grid["proposers.base.evictor.budget"]) + 1

@@ -40,7 +40,7 @@ class AdaKVAllocation(Params):
     ranking of the scorer's scores (`kvflow.components.selection.adaptive_keep`), each head
     keeping at least `safeguard x budget`. The scores must be comparable across heads."""
 
-    kind: Literal["adakv"]
+    kind: Literal["adakv"] = Field(description="Ada-KV's head-adaptive budgets.")
     safeguard: float = Field(0.2, ge=0.0, le=1.0, description="Every head keeps at least α × the layer budget "
                                                               "(Ada-KV's α, 0.2 in the paper's code and kvpress).")
     head_cap: Optional[float] = Field(
@@ -53,7 +53,7 @@ class PyramidAllocation(Params):
     2024, arXiv 2406.02069): lower layers keep more, higher ones fewer, in an arithmetic
     sequence with the same total (`kvflow.components.allocation.pyramid_budgets`)."""
 
-    kind: Literal["pyramid"]
+    kind: Literal["pyramid"] = Field(description="PyramidKV's per-layer budgets.")
     beta: float = Field(20.0, ge=1.0, description="PyramidKV's β: the top layer keeps (budget - window) / β "
                                                   "besides the window, the first layer about twice the mean.")
 

@@ -65,7 +65,8 @@ def build_tables(runs: Sequence[Run], oracle: Optional[T.Oracle] = None) -> list
     names = series_names(runs)  # one naming for every table and plot of the report
     tables = [T.runs_table(runs, names), T.accuracy_vs_budget(runs, names), T.decode_cost(runs, names),
               T.ablation(runs, names)]
-    for extra in (T.served_table(runs, names), T.step_share(runs, names), T.rescue_table(runs, names)):
+    for extra in (T.leaderboard(runs, names), T.served_table(runs, names), T.step_share(runs, names),
+                  T.rescue_table(runs, names)):
         if extra is not None:
             tables.append(extra)
     if oracle is not None:

@@ -69,6 +69,9 @@ class Run:
     def evictor(self) -> str:
         ev = self._proposer().get("evictor") or {}
         kind = str(ev.get("kind", "none"))
+        spread = ev.get("allocation")
+        if isinstance(spread, dict) and spread.get("kind"):
+            kind = f"{kind}+{spread['kind']}"  # a scorer under an allocation wrapper: keydiff+adakv
         bits = self._kv_memory().get("bits")
         return f"{kind} ({bits}-bit)" if bits else kind
 

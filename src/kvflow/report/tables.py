@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -81,6 +82,17 @@ def wilson(correct: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return (max(0.0, centre - half), min(1.0, centre + half))
 
 
+def mcnemar_exact(rescued: int, broken: int) -> float:
+    """Two-sided exact McNemar test (the sign test on the discordant pairs): the probability,
+    if neither run were better, of a split of the `rescued + broken` discordant problems at
+    least as uneven as this one. 1.0 when there is no discordant problem."""
+    n = rescued + broken
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, k) for k in range(min(rescued, broken) + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
+
+
 def _interval(lo_hi: Optional[tuple[float, float]]) -> Optional[str]:
     return None if lo_hi is None else f"[{lo_hi[0]:.0%}, {lo_hi[1]:.0%}]"
 
@@ -140,6 +152,90 @@ def runs_table(runs: Sequence[Run], names: Optional[SeriesNames] = None) -> Tabl
         row.append(names.of(r) or None)
         t.rows.append(row)
     return t
+
+
+def _wall_seconds(r: Run) -> Optional[float]:
+    """Seconds from the run's start to its end (manifest; loading included), None if unknown."""
+    from datetime import datetime
+
+    try:
+        start, end = (datetime.fromisoformat(r.manifest[k]) for k in ("started", "finished"))
+    except (KeyError, TypeError, ValueError):
+        return None
+    return (end - start).total_seconds() or None
+
+
+def _peak_kv_mib(r: Run) -> Optional[float]:
+    """Peak KV bytes of one sequence in MiB: the evictor's `budget + buffer` tokens
+    (manifest kv_memory), or for full KV the longest output of the run (its prompt where the
+    records count it: `prompt_tokens`)."""
+    kv = r._kv_memory()
+    if kv.get("peak_bytes"):
+        return kv["peak_bytes"] / 2**20
+    per_token = kv.get("bytes_per_token")
+    longest = max((int(x.get("prompt_tokens") or 0) + sum(int(st.get("n_tokens") or 0) for st in x.get("steps") or [])
+                   for x in r.records), default=0)
+    return per_token * longest / 2**20 if per_token and longest else None
+
+
+def leaderboard(runs: Sequence[Run], names: Optional[SeriesNames] = None) -> Optional[Table]:
+    """Evictors ranked by accuracy against the full-KV run of the same variant and N (the
+    decode-time leaderboard, docs/leaderboard.md): Wilson interval, the exact McNemar test on
+    the problems both answered (broken: right with full KV, wrong evicted; rescued: the
+    reverse), output tokens and their inflation over full KV on the same problems, the share
+    that hit the token cap, decode throughput (tokens / the run's wall time) and the peak KV
+    of one sequence. None unless some variant and N has a full-KV run and evicted ones."""
+    names = names or series_names(runs)
+    groups: dict[tuple[str, int], list[Run]] = {}
+    for r in runs:
+        if not r.served:
+            groups.setdefault((r.variant, r.n), []).append(r)
+    t = Table("leaderboard", "Decode-time eviction leaderboard",
+              ["rank", "evictor", "budget", "variant", "N", "problems", "accuracy", "accuracy 95% CI", "Δ vs full KV",
+               "broken / rescued", "McNemar p", "mean output tokens", "length inflation", "hit token cap",
+               "tokens/s", "peak KV MiB / seq"],
+              percent={"accuracy", "Δ vs full KV", "hit token cap"},
+              note="Each evicted run against the full-KV run of its variant and N, on the problems both answered; "
+                   "broken = right with full KV and wrong evicted, rescued = the reverse; McNemar: exact two-sided "
+                   "sign test on those. Length inflation = mean output tokens over full KV's on the same problems. "
+                   "tokens/s = output tokens / the run's wall time (model loading included); ranks by accuracy, "
+                   "then fewer tokens.")
+    for (variant, n), sel in groups.items():
+        full = [r for r in sel if r.full_kv]
+        evicted = [r for r in sel if not r.full_kv]
+        if not full or not evicted:
+            continue
+        ref = full[-1]
+        ref_ok = ref.correct_by_id()
+        ref_tokens = {x["id"]: float(x.get("output_tokens") or sum(st.get("n_tokens") or 0 for st in x.get("steps") or []))
+                      for x in ref.records}
+        rows = []
+        for r in [ref, *evicted]:
+            ok = r.correct_by_id()
+            common = [i for i in ok if i in ref_ok]
+            done = len(r.records)
+            correct = sum(ok.values())
+            tokens = {x["id"]: float(x.get("output_tokens") or sum(st.get("n_tokens") or 0 for st in x.get("steps") or []))
+                      for x in r.records}
+            broken = sum(1 for i in common if ref_ok[i] and not ok[i])
+            rescued = sum(1 for i in common if ok[i] and not ref_ok[i])
+            base_tokens = sum(ref_tokens[i] for i in common)
+            wall = _wall_seconds(r)
+            capped = sum(1 for x in r.records if x.get("finish") in ("cap_tokens", "cap_steps")) / done if done else None
+            label = "full KV (none)" if r.full_kv else r.evictor + (f" ({names.of(r)})" if names.of(r) else "")
+            rows.append([None, label, _budget_text(r), variant, n,
+                         done, correct / done if done else None, _interval(wilson(correct, done)) if done else None,
+                         (correct - sum(ref_ok[i] for i in common if i in ok)) / done if done and r is not ref else None,
+                         f"{broken} / {rescued}" if r is not ref else None,
+                         round(mcnemar_exact(rescued, broken), 4) if r is not ref else None,
+                         sum(tokens.values()) / done if done else None,
+                         sum(tokens[i] for i in common) / base_tokens if base_tokens and r is not ref else None,
+                         capped, sum(tokens.values()) / wall if wall else None, _peak_kv_mib(r)])
+        rows.sort(key=lambda row: (-(row[6] or 0), row[11] or 0))
+        for rank, row in enumerate(rows, 1):
+            row[0] = rank
+        t.rows.extend(rows)
+    return t if t.rows else None
 
 
 def served_table(runs: Sequence[Run], names: Optional[SeriesNames] = None) -> Optional[Table]:

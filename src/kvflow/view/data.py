@@ -22,7 +22,7 @@ from typing import Iterable, Optional, Sequence
 from kvflow.calibrate import DIRECTIONS, configured_thresholds, kind_of
 from kvflow.report.labels import differing_paths, values_at
 from kvflow.report.runs import Run
-from kvflow.report.tables import wilson
+from kvflow.report.tables import mcnemar_exact, wilson
 
 #: histogram bins of a signal distribution
 BINS = 30
@@ -38,17 +38,6 @@ def short(value: Optional[float]) -> Optional[float]:
     if value is None or not isinstance(value, (int, float)) or not math.isfinite(value):
         return None
     return float(f"{value:.4g}")
-
-
-def mcnemar_exact(rescued: int, broken: int) -> float:
-    """Two-sided exact McNemar test (the sign test on the discordant pairs): the probability,
-    if neither run were better, of a split of the `rescued + broken` discordant problems at
-    least as uneven as this one. 1.0 when there is no discordant problem."""
-    n = rescued + broken
-    if n == 0:
-        return 1.0
-    tail = sum(math.comb(n, k) for k in range(min(rescued, broken) + 1)) / 2 ** n
-    return min(1.0, 2 * tail)
 
 
 def pair_summary(a: Run, b: Run) -> Optional[dict]:
