@@ -332,3 +332,47 @@ def test_limit_reports_every_run_on_the_prefix_of_its_order(cli, tmp_path):
         assert rows[name][5] == "16" and float(rows[name][7]) == 0.75  # problems, accuracy: 12 of the first 16
     too_many = cli("report", full16, "--limit", "17")
     assert too_many.exit_code == 2 and "covers 16 problems" in too_many.output
+
+
+def test_leaderboard_ranks_evictors_against_full_kv(tmp_path):
+    from kvflow.report import build_tables, load_runs
+    from kvflow.report.tables import mcnemar_exact, wilson
+
+    full = [True] * 6 + [False] * 2  # 6/8
+    make_run(tmp_path, "lb_full", full, evictor="none", n=1, helper=False, pruners=False)
+    # knorm: loses problems 0-3, gains 6: 3/8; McNemar on 4 broken / 1 rescued
+    make_run(tmp_path, "lb_knorm", [False] * 4 + [True, True, True, False], evictor="knorm", n=1, helper=False,
+             pruners=False, cap=[True] * 2 + [False] * 6)
+    # snapkv: loses problem 0 only: 5/8
+    make_run(tmp_path, "lb_snapkv", [False] + [True] * 5 + [False] * 2, evictor="snapkv", n=1, helper=False,
+             pruners=False)
+    runs = load_runs([str(tmp_path)])
+    t = _table(build_tables(runs), "leaderboard")
+    col = {c: i for i, c in enumerate(t.columns)}
+    by = {row[col["evictor"]]: row for row in t.rows}
+    assert [row[col["evictor"]] for row in t.rows] == ["full KV (none)", "snapkv", "knorm"]  # by accuracy
+    assert [row[col["rank"]] for row in t.rows] == [1, 2, 3]
+    knorm = by["knorm"]
+    assert knorm[col["accuracy"]] == 3 / 8 and knorm[col["accuracy 95% CI"]] == (
+        f"[{wilson(3, 8)[0]:.0%}, {wilson(3, 8)[1]:.0%}]")
+    assert knorm[col["broken / rescued"]] == "4 / 1" and knorm[col["McNemar p"]] == round(mcnemar_exact(1, 4), 4)
+    assert knorm[col["Δ vs full KV"]] == (3 - 6) / 8 and knorm[col["hit token cap"]] == 2 / 8
+    assert by["snapkv"][col["broken / rescued"]] == "1 / 0" and by["full KV (none)"][col["McNemar p"]] is None
+    assert "Decode-time eviction leaderboard" in t.markdown()
+
+
+def test_no_leaderboard_without_a_full_kv_run(tmp_path):
+    from kvflow.report import build_tables, load_runs
+
+    make_run(tmp_path, "a", [True, False], evictor="knorm", n=1, helper=False, pruners=False)
+    assert not [t for t in build_tables(load_runs([str(tmp_path)])) if t.name == "leaderboard"]
+
+
+def test_a_wrapped_evictor_is_named_with_its_allocation(tmp_path):
+    from kvflow.report.runs import load_run
+
+    path = make_run(tmp_path, "w", [True], evictor="keydiff", n=1, helper=False, pruners=False)
+    config = yaml.safe_load((path / "config.resolved.yaml").read_text())
+    config["proposers"]["base"]["evictor"]["allocation"] = {"kind": "adakv"}
+    (path / "config.resolved.yaml").write_text(yaml.safe_dump(config))
+    assert load_run(path).evictor == "keydiff+adakv"
