@@ -91,7 +91,7 @@ def wall(args, reg) -> list:
         old = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(old)
     rows = []
-    for kind in EVICTORS:
+    for kind in args.evictors.split(","):
         cls = reg.get("evictors", kind)
         ev = cls(cls.Params(budget=64, buffer=128))
         width = row_width(ev, layers, kv_heads) - 1
@@ -115,6 +115,9 @@ def main() -> int:
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--wall", action="store_true", help="also time the hook on this CPU (0.5B shape, 64 rows)")
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--evictors", default=",".join(EVICTORS),
+                    help="comma-separated evictor kinds (e.g. the kvpress ports: knorm,keydiff,lagkv,tova,cur,"
+                         "expected-attention)")
     args = ap.parse_args()
     from kvflow.registry import get_registry
 
@@ -123,7 +126,7 @@ def main() -> int:
     rows = []
     print(f"{'evictor':11} {'shape':16} {'batch':>5} {'pass GB':>8} {'hook GB':>8} {'ratio':>6}"
           + (f" {'old GB':>8} {'old ratio':>9}" if args.old_src else ""))
-    for kind in EVICTORS:
+    for kind in args.evictors.split(","):
         cls = get_registry().get("evictors", kind)
         ev = cls(cls.Params(budget=64, buffer=128))
         for name, (layers, q_heads, kv_heads, d) in SHAPES.items():
