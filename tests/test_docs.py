@@ -93,7 +93,13 @@ def _command_lines() -> list[tuple[str, list[str]]]:
         for line, lang, text in code_blocks(path):
             if lang not in ("sh", "bash", "console", "shell"):
                 continue
-            for n, raw in enumerate(text.splitlines()):
+            lines = text.splitlines()
+            for n, raw in enumerate(lines):
+                if n and lines[n - 1].rstrip().endswith("\\"):
+                    continue  # a continuation: read with the line it continues
+                while raw.rstrip().endswith("\\") and n + 1 < len(lines):  # `cmd \` + next line: one command
+                    n += 1
+                    raw = raw.rstrip()[:-1] + " " + lines[n].strip()
                 cmd = raw.strip().lstrip("$ ").split("  #")[0].split(" # ")[0].strip()
                 if re.match(r"^(\.venv/bin/)?kvflow\s+(run|validate)\s+pipelines/\S+\.ya?ml", cmd):
                     found.append((f"{path.relative_to(REPO)}:{line + 1 + n}", shlex.split(cmd)))

@@ -38,9 +38,11 @@ def run(
     Running the same command again resumes an interrupted run with the problems not yet
     recorded; a complete run is skipped (its summary is printed) unless `--force` is given.
     The directory name includes a hash of the resolved configuration, so a changed override
-    writes to a new directory. With `--sweep`, every point of the grid is validated before
-    any runs, then each runs in turn into its own results directory, and complete points are
-    skipped, so an interrupted sweep resumes too.
+    writes to a new directory. With `--sweep`, or a `sweep:` mapping in the pipeline file
+    (path -> values; a --sweep on the same path replaces its axis), every point of the grid is
+    validated before any runs, then each runs in turn into its own results directory, and
+    complete points are skipped, so an interrupted sweep resumes too. A full-KV point (`none`)
+    ignores a budget axis and runs once.
 
     With `run.executor: ray` the problems are decoded by kvflow workers on a Ray cluster
     (`--ray-address`, else RAY_ADDRESS, else a local one), each with its own engines, and
@@ -56,6 +58,7 @@ def run(
     ```sh
     kvflow run pipelines/quickstart.yaml
     kvflow run pipelines/quickstart.yaml --set proposers.base.evictor.budget=128
+    kvflow run pipelines/leaderboard/gsm8k_cpu.yaml       # its sweep: every evictor x budget
     kvflow run pipelines/quickstart.yaml --sweep proposers.base.evictor.budget=64,128
     kvflow run pipelines/quickstart.yaml --set run.executor=ray --set run.workers=2
     ```
