@@ -268,3 +268,64 @@ def test_allocation_is_refused_where_it_cannot_apply():
         snap.Params(allocation={"kind": "adakv"}, quantize={"bits": 4})
     with pytest.raises(ValueError):
         snap.Params(allocation={"kind": "heads"})  # unknown wrapper kind
+
+
+# --------------------------------------------------------------------------- expected-attention's RoPE base
+
+
+@pytest.mark.parametrize("config, theta", [
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}, 1e6),  # transformers 5
+    ({"rope_theta": 5e5}, 5e5),  # transformers 4
+    ({"rope_theta": 1e4, "rope_scaling": {"type": "yarn", "factor": 4}}, None),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, None),
+    ({"rope_theta": 1e4, "partial_rotary_factor": 0.5}, None),
+    ({}, None),
+])
+def test_the_rope_base_is_read_only_for_plain_rope(config, theta):
+    from kvflow.cost import rope_of
+
+    got, why = rope_of(config)
+    assert got == theta and (bool(why) == (theta is None))
+
+
+def test_a_run_reads_the_rope_base_from_the_model_and_refuses_other_ropes(tmp_path):
+    import json
+
+    from kvflow.config.validate import load_pipeline
+    from kvflow.errors import UserError
+    from kvflow.runtime.compile import resolve_rope_theta
+    from kvflow.testing.pipelines import tiny_model_dir, tiny_pipeline
+
+    path = tiny_pipeline(tmp_path, evictor={"kind": "expected-attention", "budget": 16, "buffer": 8, "window": 2},
+                         helper=False)
+    loaded = load_pipeline(path)
+    model_id = loaded.pipeline.models[loaded.pipeline.proposers["base"].model].id
+    params = loaded.components.proposers["base"].evictor.params
+    assert params.rope_theta is None and resolve_rope_theta(loaded, "base", params, model_id).rope_theta == 10000.0
+    yarn = tmp_path / "yarn"
+    yarn.mkdir()
+    config = json.loads((tiny_model_dir(tmp_path / "models") / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
+    (yarn / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError) as e:
+        resolve_rope_theta(loaded, "base", params, str(yarn))
+    assert "proposers.base.evictor.rope_theta" in e.value.format() and "yarn" in e.value.format()
+
+
+def test_kvflow_run_with_expected_attention_and_a_wrapped_scorer(tmp_path):
+    """The real `kvflow run` path: rope_theta is resolved at start (no run would compact
+    otherwise), and a scorer under a wrapper runs as it validates."""
+    import json
+
+    from conftest import run_kvflow
+    from kvflow.testing.pipelines import tiny_pipeline
+
+    for name, evictor in (("ea", {"kind": "expected-attention", "budget": 12, "buffer": 6, "window": 2}),
+                          ("kd", {"kind": "keydiff", "budget": 12, "buffer": 6, "window": 2,
+                                  "allocation": {"kind": "adakv"}})):
+        path = tiny_pipeline(tmp_path / name, evictor=evictor, helper=False, max_tokens=40, name=name)
+        r = run_kvflow("run", str(path), "--set", f"run.output={tmp_path / name / 'out'}")
+        assert r.returncode == 0, r.stderr
+        (run,) = (tmp_path / name / "out").iterdir()
+        records = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+        assert len(records) == 2 and all(rec["tokens_generated"]["base"] >= 30 for rec in records)
