@@ -24,45 +24,16 @@ each head's own slots (`kvflow.backends.hf.cache`, `kvflow.backends.sglang.evict
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 from pydantic import Field, model_validator
 
 from kvflow._lazy import torch
 from kvflow.components.base import EvictorParams
-from kvflow.components.selection import adaptive_keep
+from kvflow.components.selection import adaptive_keep, head_capacity, pyramid_budgets
 
 __all__ = ["AdaptiveHeads", "AdaptiveParams", "PyramidLayers", "PyramidParams", "adaptive_keep", "head_capacity",
            "hole_index", "hole_mask", "pyramid_budgets"]
-
-
-def pyramid_budgets(budget: int, window: int, num_layers: int, beta: float, held: int) -> list[int]:
-    """PyramidKV's per-layer budgets, summing to exactly `budget x num_layers`.
-
-    With B = budget and W = window (both counted as in kvflow: B includes W), the paper's
-    code gives layer l (0 = the first) W + max - l (max - min) / (L - 1) with
-    min = (B - W) / beta and max = 2 (B - W) - min: a linear decrease whose mean is B. When
-    max exceeds what a layer holds at a compaction (`held - W`), max becomes that and min
-    rises to keep the mean (the reference's rule for short prompts). Rounding: floors, then
-    the remainder one token each to the largest fractional parts (ties: lower layers).
-    """
-    if num_layers == 1:
-        return [budget]
-    spare = budget - window
-    low = spare / beta
-    high = 2 * spare - low
-    if high > held - window:
-        high = held - window
-        low = 2 * spare - high
-    step = (high - low) / (num_layers - 1)
-    real = [window + high - l * step for l in range(num_layers)]
-    out = [math.floor(x + 1e-9) for x in real]
-    rest = budget * num_layers - sum(out)
-    by_fraction = sorted(range(num_layers), key=lambda l: (-(real[l] - out[l]), l))
-    for l in by_fraction[:rest]:
-        out[l] += 1
-    return out
 
 
 def hole_mask(start: "torch.Tensor", end, span: int) -> "torch.Tensor":
@@ -117,13 +88,6 @@ class AdaptiveParams(EvictorParams):
         "stores this many per head). null: as many as the safeguard leaves, kv_heads - (kv_heads - 1) α.")
 
     _uniform_storage = model_validator(mode="after")(_no_quantize)
-
-
-def head_capacity(layer_budget: int, kv_heads: int, safeguard: float, head_cap: Optional[float]) -> int:
-    """Most tokens one KV head may keep under Ada-KV with this safeguard: all the layer's
-    tokens but the other heads' floors, or `head_cap x layer_budget` (never below the budget)."""
-    most = kv_heads * layer_budget - (kv_heads - 1) * int(safeguard * layer_budget)
-    return most if head_cap is None else max(layer_budget, min(most, math.floor(head_cap * layer_budget)))
 
 
 class AdaptiveHeads:

@@ -28,7 +28,7 @@ from kvflow.components.params import (
 from kvflow.components.records import (
     CONFIDENCE_TOP_K, Candidate, ScoreRequest, Step, StepTrace, Trajectory,
 )
-from kvflow.components.selection import adaptive_keep, keep_top
+from kvflow.components.selection import adaptive_keep, head_capacity, keep_top, pyramid_budgets
 from kvflow.faults import guard
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -112,8 +112,6 @@ class Evictor:
         p = self.params
         spread = getattr(p, "allocation", None)
         if getattr(spread, "kind", None) == "pyramid":
-            from kvflow.components.allocation import pyramid_budgets
-
             return pyramid_budgets(p.budget, p.window, num_layers, spread.beta, self.trigger)
         return [p.budget] * num_layers
 
@@ -126,8 +124,6 @@ class Evictor:
         cache stores per head (see `allocation.head_capacity`)."""
         if not self.adaptive_heads:
             return layer_budget
-        from kvflow.components.allocation import head_capacity
-
         spread = self.params.allocation
         return head_capacity(layer_budget, kv_heads, spread.safeguard, spread.head_cap)
 
