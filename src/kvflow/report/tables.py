@@ -210,7 +210,7 @@ def leaderboard(runs: Sequence[Run], names: Optional[SeriesNames] = None) -> Opt
         ref_tokens = {x["id"]: float(x.get("output_tokens") or sum(st.get("n_tokens") or 0 for st in x.get("steps") or []))
                       for x in ref.records}
         rows = []
-        for r in [ref, *evicted]:
+        for r in [ref, *(e for e in evicted if e.records)]:  # a run that has answered nothing yet: no row
             ok = r.correct_by_id()
             common = [i for i in ok if i in ref_ok]
             done = len(r.records)
@@ -223,6 +223,8 @@ def leaderboard(runs: Sequence[Run], names: Optional[SeriesNames] = None) -> Opt
             wall = _wall_seconds(r)
             capped = sum(1 for x in r.records if x.get("finish") in ("cap_tokens", "cap_steps")) / done if done else None
             label = "full KV (none)" if r.full_kv else r.evictor + (f" ({names.of(r)})" if names.of(r) else "")
+            if not r.complete:
+                label += " (unfinished)"  # its numbers rest on the problems it has answered so far
             rows.append([None, label, _budget_text(r), variant, n,
                          done, correct / done if done else None, _interval(wilson(correct, done)) if done else None,
                          (correct - sum(ref_ok[i] for i in common if i in ok)) / done if done and r is not ref else None,
