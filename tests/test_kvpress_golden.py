@@ -3,7 +3,8 @@
 tests/data/kvpress_golden.pt was written by bench/kvpress/record_kept.py in kvpress's own
 environment (kvpress 0.5.5, transformers 5.2: it cannot share kvflow's): for GQA with 2 and
 3 KV heads and MHA, float32 and bfloat16, three lengths, each press's kept slots at three
-compression ratios, on the keys, values and post-RoPE queries a seeded Llama attention layer
+compression ratios (and AdaKVPress's kept (head, token) pairs around three of them), on the
+keys, values and post-RoPE queries a seeded Llama attention layer
 made at positions 0..N-1 (kvpress's prefill). Here each press's kvflow evictor
 (docs/components.md, "kvpress presses in kvflow") gets the same tensors, with `window: 0` (kvpress
 keeps nothing by force) and the budget kvpress keeps, and must keep the same slots per KV head.
@@ -38,6 +39,11 @@ def evictor_for(press: str, params: dict, n: int, n_kept: int, rope_theta: float
     same = {k: v for k, v in params.items() if k in ("n_sink", "lag_size", "cross_scoring", "leverage_type",
                                                     "local_window_size", "n_future_positions", "use_covariance",
                                                     "use_vnorm")}
+    wrapper = {}
+    if press.startswith("adakv-"):  # AdaKVPress(press=...): kvflow's allocation wrapper around the same scorer
+        press = press.removeprefix("adakv-")
+        wrapper = {"allocation": {"kind": "adakv", "safeguard": params["alpha_safeguard"]}}
+        params = {k: v for k, v in params.items() if k != "alpha_safeguard"}
     base = press.split("-")[0]
     kind, extra, queries = {
         "knorm": ("knorm", {}, None),
@@ -54,7 +60,7 @@ def evictor_for(press: str, params: dict, n: int, n_kept: int, rope_theta: float
         "streaming_llm": ("streaming", same, None),
     }[base]
     cls = get_registry().get("evictors", kind)
-    params = {"budget": n_kept, "buffer": n, "window": 0, **extra}
+    params = {"budget": n_kept, "buffer": n, "window": 0, **extra, **wrapper}
     if params["window"] >= n_kept:
         return None, None  # kvflow keeps the window inside the budget (kvpress then keeps part of its window)
     return cls(cls.Params(**params)), queries
@@ -66,7 +72,7 @@ def compare(case: dict, press: str, ratio: str) -> dict:
     n, kv_heads = case["n"], case["kv_heads"]
     keys, values, all_queries = case["keys"][None], case["values"][None], case["queries"][None]
     kept_ref = rec["kept"][ratio]
-    n_kept = len(kept_ref[0])
+    n_kept = sum(len(h) for h in kept_ref) // kv_heads  # per head; AdaKV's heads keep different counts
     ev, window = evictor_for(press, rec["params"], n, n_kept, DATA["rope_theta"])
     out = {"compared": 0, "exact_ties": 0, "level": 0, "bad": []}
     if ev is None:
@@ -80,6 +86,8 @@ def compare(case: dict, press: str, ratio: str) -> dict:
     theirs_all = rec["scores"][ratio].double()
     forced = n - ev.params.window  # kvflow keeps slots >= forced whatever their scores
     out["compared"] = n_kept * kv_heads
+    if ev.adaptive_heads:  # ranked across the heads of the layer: a swap pairs slots of any two heads
+        return compare_across_heads(out, case, keep, kept_ref, ours_all, theirs_all)
     for h in range(kv_heads):
         ours, theirs = set(keep[h].tolist()), set(kept_ref[h])
         for j in sorted(ours ^ theirs):
@@ -96,6 +104,27 @@ def compare(case: dict, press: str, ratio: str) -> dict:
                 out["level"] += 1  # level to within the dtype's rounding in one of the two
             else:
                 out["bad"].append((h, j, "kvflow only" if j in ours else "kvpress only", level))
+    return out
+
+
+def compare_across_heads(out, case, keep, kept_ref, ours_all, theirs_all) -> dict:
+    """AdaKV: the (head, slot) pairs kept by one side only must pair up, each kvflow-only pair
+    with a kvpress-only one level with it in kvflow's or kvpress's scores (within the dtype's
+    rounding of the layer's largest score)."""
+    heads = len(kept_ref)
+    ours = {(h, j) for h in range(heads) for j in keep[h].tolist() if j >= 0}
+    theirs = {(h, j) for h in range(heads) for j in kept_ref[h]}
+    only_ours, only_theirs = sorted(ours - theirs), sorted(theirs - ours)
+    scales = [s.abs().max().item() or 1.0 for s in (ours_all, theirs_all)]
+    for a in only_ours:
+        gaps = [min(abs(s[a].item() - s[b].item()) / scale for s, scale in zip((ours_all, theirs_all), scales))
+                for b in only_theirs]
+        if len(only_ours) != len(only_theirs) or min(gaps) > LEVEL[case["dtype"]]:
+            out["bad"].append((a, "kvflow only", min(gaps, default=None)))
+        elif min(gaps) == 0.0:
+            out["exact_ties"] += 2
+        else:
+            out["level"] += 2
     return out
 
 

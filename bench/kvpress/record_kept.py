@@ -34,8 +34,8 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaConfig
     apply_rotary_pos_emb
 
 import kvpress
-from kvpress import (CURPress, ExpectedAttentionPress, KeyDiffPress, KnormPress, LagKVPress, SnapKVPress,
-                     StreamingLLMPress, TOVAPress)
+from kvpress import (AdaKVPress, CURPress, ExpectedAttentionPress, KeyDiffPress, KnormPress, LagKVPress,
+                     SnapKVPress, StreamingLLMPress, TOVAPress)
 
 REPO = Path(__file__).resolve().parents[2]
 HEAD_DIM = 16
@@ -57,6 +57,13 @@ PRESSES = {
                                                          "use_covariance": False, "use_vnorm": False}),
     "snapkv": (SnapKVPress, {"window_size": 8, "kernel_size": 5}),
     "streaming_llm": (StreamingLLMPress, {"n_sink": 4}),
+}
+#: name -> (wrapped press, its parameters, AdaKVPress's alpha_safeguard): head-adaptive budgets
+ADAKV = {
+    "adakv-knorm": (KnormPress, {}, 0.2),
+    "adakv-keydiff": (KeyDiffPress, {}, 0.2),
+    "adakv-cur": (CURPress, {}, 0.3),
+    "adakv-knorm-safe": (KnormPress, {}, 0.8),  # a safeguard that binds
 }
 
 
@@ -91,6 +98,19 @@ def case(name: str, q_heads: int, kv_heads: int, dtype: torch.dtype, n: int, see
             kept[str(ratio)] = [sorted(row) for row in scores.topk(n_kept, dim=-1).indices[0].tolist()]
             scored[str(ratio)] = scores[0].float()
         presses[press_name] = {"params": params, "scores": scored, "kept": kept}
+    module.config._attn_implementation = "sdpa"  # AdaKVPress refuses eager attention
+    for press_name, (factory, params, alpha) in ADAKV.items():
+        kept, scored = {}, {}
+        for ratio in RATIOS:  # AdaKVPress masks the pruned (head, token) pairs instead of gathering
+            inner = factory(compression_ratio=ratio, **params)
+            press = AdaKVPress(press=inner, alpha_safeguard=alpha)
+            press.compress(module, hidden, k, v, None, {"position_embeddings": (cos, sin)})
+            _, heads, tokens = module.masked_key_indices
+            pruned = {(h, t) for h, t in zip(heads.tolist(), tokens.tolist())}
+            kept[str(ratio)] = [[t for t in range(n) if (h, t) not in pruned] for h in range(kv_heads)]
+            scored[str(ratio)] = inner.score(module, hidden, k, v, None, {"position_embeddings": (cos, sin)})[0].float()
+            del module.masked_key_indices
+        presses[press_name] = {"params": {**params, "alpha_safeguard": alpha}, "scores": scored, "kept": kept}
     return {"layout": name, "q_heads": q_heads, "kv_heads": kv_heads, "dtype": str(dtype).replace("torch.", ""),
             "n": n, "seed": seed, "keys": k[0], "values": v[0], "queries": q[0], "presses": presses}
 
@@ -113,7 +133,7 @@ def main() -> None:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     torch.save(record, args.out)
-    print(f"{len(cases)} cases x {len(PRESSES)} presses x {len(RATIOS)} ratios -> {args.out} "
+    print(f"{len(cases)} cases x {len(PRESSES) + len(ADAKV)} presses x {len(RATIOS)} ratios -> {args.out} "
           f"({args.out.stat().st_size // 1024} KiB)")
 
 
