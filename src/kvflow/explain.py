@@ -349,8 +349,9 @@ def explain_lines(loaded: "LoadedPipeline", registry: Optional["Registry"] = Non
         if backend == "vllm":
             from kvflow.backends.vllm.settings import COMMON as VLLM_COMMON, CPU as VLLM_CPU
 
-            out.append("    vLLM in a worker process (its own environment: .venv-vllm or KVFLOW_VLLM_PYTHON); full "
-                       "context, prefix kept in its prefix cache; kvflow's defaults: "
+            out.append("    vLLM in a worker process (its own environment: .venv-vllm or KVFLOW_VLLM_PYTHON); "
+                       "full-context requests in vLLM's blocks (prefix cache on), evicted ones on a CPU in kvflow's "
+                       "budgeted cache inside the worker; kvflow's defaults: "
                        + ", ".join(f"{k}={v}" for k, v in VLLM_COMMON.items())
                        + "; where no GPU also " + ", ".join(f"{k}={v}" for k, v in VLLM_CPU.items())
                        + " (docs/backends.md, \"vLLM\")")

@@ -1,4 +1,5 @@
-"""SGLang engine arguments for a model entry, and loading an `SGLangEngine`.
+"""SGLang engine arguments for a model entry, and the checks on them (loading an
+`SGLangEngine` is `kvflow.backends.sglang.loading`'s).
 
 A model entry's `engine:` mapping is passed to `sglang.Engine` as server arguments (tensor
 and data parallel sizes, memory fraction, attention backend, context length, ...), over

@@ -1,5 +1,5 @@
-"""The `vllm` backend: proposers (full-context, and evicted on a CPU) and `likelihood` scoring
-served by vLLM's engine, in vLLM's own environment.
+"""The `vllm` backend: proposers (full-context, and evicted on a CPU) and the `likelihood`,
+`prm` and `llm_judge` scorers served by vLLM's engine, in vLLM's own environment.
 
 - `engine.py`   the kvflow engine protocol over a vLLM worker (`VLLMEngine`);
 - `worker.py`   the worker process that owns vLLM's `LLMEngine`, run by vLLM's interpreter
@@ -12,8 +12,7 @@ served by vLLM's engine, in vLLM's own environment.
 - `loading.py`  an engine for a model entry.
 
 Not built yet, and refused before anything loads: evicted proposers on a GPU or with graphs
-(`check_evictor`), quantized KV, and the `prm` / `llm_judge` scorers (they name the backends
-they run on). Install: `scripts/install.sh vllm` (docs/backends.md, "vllm").
+(`check_evictor`) and quantized KV. Install: `scripts/install.sh vllm` (docs/backends.md, "vllm").
 """
 
 from __future__ import annotations
