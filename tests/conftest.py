@@ -247,10 +247,10 @@ def _slow(item) -> bool:
 #: file not listed counts 0. A file's share moves with what ran before it in its worker (an
 #: SGLang engine another file left idle is reused, one of other arguments is closed first)
 FILE_SECONDS = {
-    "test_evictor_contract_kvpress.py": 200, "test_sglang.py": 185, "test_sglang_gpu_settings.py": 155, "test_catalog_engines.py": 105,
+    "test_sglang.py": 185, "test_sglang_gpu_settings.py": 155, "test_catalog_engines.py": 105,
     "test_sglang_evicted.py": 100, "test_sglang_profiles.py": 100, "test_sglang_scoring.py": 95,
     "test_serve_sglang.py": 80, "test_ray_executor.py": 70, "test_sglang_data_parallel.py": 65,
-    "test_serve.py": 60, "test_evictor_contract.py": 60, "test_vllm.py": 55, "test_scorer_contract.py": 55,
+    "test_evictor_contract_kvpress.py": 70, "test_serve.py": 60, "test_evictor_contract.py": 60, "test_vllm.py": 55, "test_scorer_contract.py": 55,
     "test_vllm_evicted.py": 55, "test_pruner_contract.py": 55, "test_reliability.py": 50,
     "test_sglang_replay.py": 50, "test_e2e.py": 45, "test_doctor.py": 45, "test_serve_harness.py": 40,
 }
