@@ -227,7 +227,7 @@ def leaderboard(runs: Sequence[Run], names: Optional[SeriesNames] = None) -> Opt
                 label += " (unfinished)"  # its numbers rest on the problems it has answered so far
             rows.append([None, label, _budget_text(r), variant, n,
                          done, correct / done if done else None, _interval(wilson(correct, done)) if done else None,
-                         (correct - sum(ref_ok[i] for i in common if i in ok)) / done if done and r is not ref else None,
+                         sum(ok[i] - ref_ok[i] for i in common) / len(common) if common and r is not ref else None,
                          f"{broken} / {rescued}" if r is not ref else None,
                          round(mcnemar_exact(rescued, broken), 4) if r is not ref else None,
                          sum(tokens.values()) / done if done else None,
