@@ -346,12 +346,15 @@ def test_leaderboard_ranks_evictors_against_full_kv(tmp_path):
     # snapkv: loses problem 0 only: 5/8
     make_run(tmp_path, "lb_snapkv", [False] + [True] * 5 + [False] * 2, evictor="snapkv", n=1, helper=False,
              pruners=False)
+    make_run(tmp_path, "lb_knorm128", [True] * 8, evictor="knorm", budget=128, n=1, helper=False, pruners=False)
     runs = load_runs([str(tmp_path)])
     t = _table(build_tables(runs), "leaderboard")
     col = {c: i for i, c in enumerate(t.columns)}
-    by = {row[col["evictor"]]: row for row in t.rows}
-    assert [row[col["evictor"]] for row in t.rows] == ["full KV (none)", "snapkv", "knorm"]  # by accuracy
-    assert [row[col["rank"]] for row in t.rows] == [1, 2, 3]
+    by = {(row[col["evictor"]], row[col["budget"]]): row for row in t.rows}
+    # full KV first, then each budget ranked by accuracy
+    assert [(row[col["evictor"]], row[col["budget"]], row[col["rank"]]) for row in t.rows] == [
+        ("full KV (none)", "full", None), ("snapkv", "64", 1), ("knorm", "64", 2), ("knorm", "128", 1)]
+    by = {k[0]: v for k, v in by.items() if k[1] in ("64", "full")}
     knorm = by["knorm"]
     assert knorm[col["accuracy"]] == 3 / 8 and knorm[col["accuracy 95% CI"]] == (
         f"[{wilson(3, 8)[0]:.0%}, {wilson(3, 8)[1]:.0%}]")

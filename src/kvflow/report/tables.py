@@ -198,8 +198,8 @@ def leaderboard(runs: Sequence[Run], names: Optional[SeriesNames] = None) -> Opt
               note="Each evicted run against the full-KV run of its variant and N, on the problems both answered; "
                    "broken = right with full KV and wrong evicted, rescued = the reverse; McNemar: exact two-sided "
                    "sign test on those. Length inflation = mean output tokens over full KV's on the same problems. "
-                   "tokens/s = output tokens / the run's wall time (model loading included); ranks by accuracy, "
-                   "then fewer tokens.")
+                   "tokens/s = output tokens / the run's wall time (model loading included). Ranked within each "
+                   "budget by accuracy, then fewer tokens.")
     for (variant, n), sel in groups.items():
         full = [r for r in sel if r.full_kv]
         evicted = [r for r in sel if not r.full_kv]
@@ -233,9 +233,15 @@ def leaderboard(runs: Sequence[Run], names: Optional[SeriesNames] = None) -> Opt
                          sum(tokens.values()) / done if done else None,
                          sum(tokens[i] for i in common) / base_tokens if base_tokens and r is not ref else None,
                          capped, sum(tokens.values()) / wall if wall else None, _peak_kv_mib(r)])
-        rows.sort(key=lambda row: (-(row[6] or 0), row[11] or 0))
-        for rank, row in enumerate(rows, 1):
-            row[0] = rank
+        # full KV first, then one ranking per budget ("which method loses least at budget B")
+        budget_order = lambda row: -1 if row[2] == "full" else int(row[2]) if str(row[2]).isdigit() else 10**9
+        rows.sort(key=lambda row: (budget_order(row), -(row[6] or 0), row[11] or 0))
+        rank, last_budget = 0, None
+        for row in rows:
+            if row[2] == "full":
+                continue
+            rank = 1 if row[2] != last_budget else rank + 1
+            row[0], last_budget = rank, row[2]
         t.rows.extend(rows)
     return t if t.rows else None
 
