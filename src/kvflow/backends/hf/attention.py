@@ -7,7 +7,8 @@ queries are handed to the cache, which keeps the last W for attention-based evic
 for evictors that observe attention (H2O), lets them update a per-token statistic. Caches of
 other evictors do no extra work here.
 Because "kvflow" is not registered as a mask function, transformers passes our 4D mask
-(or None) through untouched.
+(or None) through untouched. In batch-invariant mode (`run.deterministic`) attention and the
+observed statistic run row by row (`kvflow.backends.hf.invariant`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from kvflow.backends.hf import invariant
+
 NAME = "kvflow"
 
 
@@ -26,6 +29,8 @@ def kvflow_attention(module, query, key, value, attention_mask, **kwargs):
     cache = kwargs.pop("kvflow_cache", None)
     if hasattr(cache, "attend"):  # a DecodeBatch: one attention call per layer and row pool
         return cache.attend(sdpa_attention_forward, module, query, key, value, **kwargs)
+    if cache is not None and invariant.enabled():
+        return _attend_rows(cache, module, query, key, value, **kwargs), None
     if cache is not None:
         if cache.varies:  # each layer has its own lengths and per-head holes
             attention_mask = cache.attention_mask(module.layer_idx, query.shape[1])
@@ -37,6 +42,22 @@ def kvflow_attention(module, query, key, value, attention_mask, **kwargs):
                 scaling = getattr(module, "scaling", None) or query.shape[-1] ** -0.5
             cache.layers[module.layer_idx].observe(query, key, scaling, module.layer_idx)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _attend_rows(cache, module, query, key, value, **kwargs):
+    """`kvflow_attention` in batch-invariant mode: each row over its own keys and real queries
+    (query: [rows, heads, T, D]; key, value: [rows, kv_heads, span, D]) -> [rows, T, heads, D]."""
+    layer_idx = module.layer_idx
+    queries, mask, ends = cache.row_extents(layer_idx, query.shape[1])
+    if cache.query_window:
+        cache.layers[layer_idx].record_queries(query)
+    if cache.observes:
+        invariant.observe_rows(cache, layer_idx, query, key, queries, ends, _scaling(module, query, kwargs))
+    return invariant.attend_rows(sdpa_attention_forward, module, query, key, value, queries, mask, ends, **kwargs)
+
+
+def _scaling(module, query, kwargs) -> float:
+    return kwargs.get("scaling") or getattr(module, "scaling", None) or query.shape[-1] ** -0.5
 
 
 AttentionInterface.register(NAME, kvflow_attention)

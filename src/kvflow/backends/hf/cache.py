@@ -227,6 +227,8 @@ class BudgetedCache(LayerAllocation, Cache):
         super().__init__(layers=[BudgetedLayer(self, i) for i in range(num_layers)])
         self._write_plan: Optional[WritePlan] = None
         self._layer_plans: Optional[list[WritePlan]] = None  # varying allocations: one plan per layer
+        self._step_lens: Optional[torch.Tensor] = None  # [rows] the current forward's new tokens (host)
+        self._extents: dict = {}  # id(plan) -> row_extents, batch-invariant mode
 
     def quant_split(self, layer_idx: int) -> tuple[int, int]:
         """(quantized slots, full-precision slots including the scratch slot) per (row, KV head)
@@ -260,6 +262,25 @@ class BudgetedCache(LayerAllocation, Cache):
         if mask is not None and mask.shape[1] not in (1, q_heads):  # per KV head -> per query head
             mask = mask.repeat_interleave(q_heads // mask.shape[1], dim=1)
         return mask
+
+    def row_extents(self, layer_idx: int, q_heads: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """For batch-invariant attention (`kvflow.backends.hf.invariant`) in the current forward:
+        (real queries per row [rows] int64 (host), the layer's mask [rows, 1 or q_heads, T, span]
+        bool, causal where the plan leaves it out, where each row's keys end); once per plan."""
+        plan = self.plan(layer_idx)
+        found = self._extents.get(id(plan))
+        if found is None:
+            from kvflow.backends.hf.invariant import causal_mask, key_ends
+
+            mask = plan.mask
+            if mask is None:
+                width = plan.slots.shape[1]
+                mask = causal_mask(self.rows.lengths, self._step_lens, width, plan.span).to(self.device)
+            found = self._extents[id(plan)] = (self._step_lens, mask, key_ends(mask, self._step_lens))
+        queries, mask, ends = found
+        if mask.shape[1] not in (1, q_heads):  # per KV head -> per query head
+            mask = mask.repeat_interleave(q_heads // mask.shape[1], dim=1)
+        return queries, mask, ends
 
     def head_lengths(self, layer_idx: int) -> torch.Tensor:
         """[rows, kv_heads] int64 (host): tokens each head of the layer holds per row."""
@@ -513,6 +534,7 @@ class BudgetedCache(LayerAllocation, Cache):
         """Plan the writes of a forward that appends `step_lens[r]` (≤ width) tokens per row."""
         lengths = self.rows.lengths
         new_lengths = lengths + step_lens
+        self._step_lens, self._extents = step_lens, {}
         if self.evictor.bounded:
             if bool((step_lens > self.room()).any()):
                 raise RuntimeError("BudgetedCache: forward would exceed budget + buffer; chunk the input")

@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from kvflow.backends.hf import invariant
 from kvflow.backends.hf.cache import BudgetedCache
 from kvflow.backends.hf.decode_batch import PoolRows, RowPool
 from kvflow.backends.hf.engine import HFRunner
@@ -150,7 +151,8 @@ class HFEngine:
         return {"backend": self.backend, "device": self.device, "dtype": str(next(model.parameters()).dtype),
                 "torch": torch.__version__, "transformers": transformers.__version__,
                 "attn_implementation": getattr(model.config, "_attn_implementation", None),
-                "deterministic_algorithms": torch.are_deterministic_algorithms_enabled()}
+                "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+                "batch_invariant": invariant.enabled()}
 
     def encode(self, text: str) -> list[int]:
         return self.runner.encode(text)

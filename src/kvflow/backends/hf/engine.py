@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from kvflow.backends.hf import invariant
 from kvflow.backends.hf.attention import kvflow_attention_enabled
 from kvflow.backends.hf.cache import BudgetedCache
 from kvflow.backends.hf.compat import cache_keyword
@@ -45,9 +46,21 @@ class HFRunner:
         self.fp32_min_tokens: Optional[int] = fp32_min_tokens(model)
 
     def upcast(self, n_tokens: int):
-        """Context for a forward (or LM head) over `n_tokens` rows x tokens: float32 linear
-        layers where that is faster here (see kvflow.backends.hf.matmul), else nothing."""
+        """Context for a forward (or LM head) over `n_tokens` rows x tokens. Batch-invariant mode
+        (`run.deterministic`, kvflow.backends.hf.invariant): linear layers in fixed-size tiles,
+        in float32 wherever this CPU computes bf16 so (whatever `n_tokens`). Otherwise float32
+        linear layers where that is faster here (kvflow.backends.hf.matmul), else nothing."""
+        if invariant.enabled():
+            return invariant.linear_tiles(self.model)
         return fp32_linear(self.fp32_min_tokens is not None and n_tokens >= self.fp32_min_tokens)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head's logits [..., vocab] float32 of final hidden states [..., hidden]: as
+        they come in the default mode, in tiles in batch-invariant mode."""
+        if not invariant.enabled():
+            return self.lm_head(hidden).float()
+        with self.upcast(hidden.shape[0]):
+            return self.lm_head(hidden).float()
 
     def kv_shape(self) -> tuple[int, int, int, int]:
         """(layers, KV heads, head_dim, bytes per element) of this model's cache."""
@@ -145,7 +158,7 @@ class HFRunner:
         if logits == "hidden":
             return hidden
         last = (step_lens - 1).clamp(min=0).to(self.device)
-        return self.lm_head(hidden[torch.arange(hidden.shape[0], device=self.device), last]).float()
+        return self.head(hidden[torch.arange(hidden.shape[0], device=self.device), last])
 
     @torch.inference_mode()
     def decode_step(self, parts: Sequence[tuple[BudgetedCache, torch.Tensor]], tokens: torch.Tensor) -> torch.Tensor:
@@ -167,7 +180,7 @@ class HFRunner:
                 **{self.cache_keyword: batch},
             )
         batch.end_forward()
-        return self.lm_head(out.last_hidden_state[:, -1]).float()
+        return self.head(out.last_hidden_state[:, -1])
 
     def ingest(self, cache: BudgetedCache, ids: Sequence[Sequence[int]]) -> None:
         """Append ids[r] to row r, in chunks that never push a row past `budget + buffer`."""

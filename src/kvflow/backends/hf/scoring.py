@@ -33,6 +33,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from kvflow.backends.hf import invariant
 from kvflow.backends.hf.cache import BudgetedCache
 from kvflow.backends.hf.engine import HFRunner
 from kvflow.components.base import Evictor, Trajectory
@@ -171,28 +172,36 @@ class PositionForward:
     def __call__(self, ids: Sequence[Sequence[int]], positions: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """For every sequence i: head logits at positions[i], [len(positions[i]), C] float32 (CPU)."""
         out: list[torch.Tensor] = [torch.empty(0)] * len(ids)
-        for chunk in self._chunks([len(x) for x in ids]):
-            width = max(len(ids[i]) for i in chunk)
-            input_ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
-            mask = torch.zeros(len(chunk), width, dtype=torch.long)
-            for r, i in enumerate(chunk):
-                input_ids[r, : len(ids[i])] = torch.as_tensor(list(ids[i]), dtype=torch.long)
-                mask[r, : len(ids[i])] = 1
-            hidden = self.body(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device),
-                               use_cache=False).last_hidden_state  # [rows, T, hidden]
-            rows = torch.cat([torch.full((len(positions[i]),), r, dtype=torch.long) for r, i in enumerate(chunk)])
-            cols = torch.cat([torch.as_tensor(list(positions[i]), dtype=torch.long) for i in chunk])
-            logits = self.head(hidden[rows.to(self.device), cols.to(self.device)]).float().cpu() if len(rows) else None
-            start = 0
-            for i in chunk:
-                k = len(positions[i])
-                out[i] = logits[start : start + k] if logits is not None else torch.empty(0, 0)
-                start += k
+        with invariant.linear_tiles(self.body):
+            for chunk in self._chunks([len(x) for x in ids]):
+                self._chunk(chunk, ids, positions, out)
         return out
 
+    def _chunk(self, chunk: list[int], ids, positions, out: list) -> None:
+        """One padded forward of the sequences `chunk`, their head logits put in `out`."""
+        width = max(len(ids[i]) for i in chunk)
+        input_ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros(len(chunk), width, dtype=torch.long)
+        for r, i in enumerate(chunk):
+            input_ids[r, : len(ids[i])] = torch.as_tensor(list(ids[i]), dtype=torch.long)
+            mask[r, : len(ids[i])] = 1
+        hidden = self.body(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device),
+                           use_cache=False).last_hidden_state  # [rows, T, hidden]
+        rows = torch.cat([torch.full((len(positions[i]),), r, dtype=torch.long) for r, i in enumerate(chunk)])
+        cols = torch.cat([torch.as_tensor(list(positions[i]), dtype=torch.long) for i in chunk])
+        logits = self.head(hidden[rows.to(self.device), cols.to(self.device)]).float().cpu() if len(rows) else None
+        start = 0
+        for i in chunk:
+            k = len(positions[i])
+            out[i] = logits[start : start + k] if logits is not None else torch.empty(0, 0)
+            start += k
+
     def _chunks(self, lengths: Sequence[int]) -> list[list[int]]:
-        """Indices grouped longest first, each group within `batch_tokens` padded tokens."""
+        """Indices grouped longest first, each group within `batch_tokens` padded tokens; in
+        batch-invariant mode one sequence per forward (sdpa reduces a padded row differently)."""
         order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+        if invariant.enabled():
+            return [[i] for i in order]
         chunks: list[list[int]] = []
         for i in order:
             if chunks and (len(chunks[-1]) + 1) * lengths[chunks[-1][0]] <= self.batch_tokens:
@@ -251,8 +260,9 @@ class PrefixForward:
         groups: dict[str, list[int]] = {}
         for i, key in enumerate(keys):
             groups.setdefault(key, []).append(i)
-        for key, idx in groups.items():
-            self._problem(key, idx, ids, positions, out)
+        with invariant.linear_tiles(self.body):  # a problem's forwards hold its own tokens only
+            for key, idx in groups.items():
+                self._problem(key, idx, ids, positions, out)
         return out
 
     def release(self, keys: Sequence[str]) -> None:
