@@ -22,7 +22,11 @@ other jobs on a shared machine than wall time), and the peak KV bytes reserved, 
 flight (manifest.json's `kv_admission`).
 
     python bench/table3.py [--problems 8] [--n 4] [--max-tokens 256] [--budget 64 --buffer 32]
-        [--tight 1 --ample 8] [--threads 1] [--engine hf|sglang]
+        [--tight 1 --ample 8] [--threads 1] [--engine hf|sglang] [--modes default,deterministic]
+
+`--modes default,deterministic` runs each method also with `run.deterministic` (hf's
+batch-invariant forwards), as `<method>+deterministic`, with its tokens/s over the default's
+(`vs_default`), in the same process (docs/benchmarks.md#batch-invariant-hf).
 
 Prints one JSON object (and writes it to `--out`). `--engine sglang` runs the same pipelines
 on SGLang (each model's worker pool sized from run.kv_memory by
@@ -34,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from datetime import datetime, timezone
@@ -170,12 +173,14 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
     ap.add_argument("--engine", choices=("hf", "sglang"), default="hf")
     ap.add_argument("--methods", default="full,evicted,kv_rescue")
+    ap.add_argument("--modes", default="default", help="default and/or deterministic (run.deterministic), comma-separated")
     ap.add_argument("--cache", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "kvflow-bench-table3"))
     ap.add_argument("--out", default="docs/results/bench/table3.json")
     args = ap.parse_args()
 
     from kvflow.config.validate import load_pipeline
     from kvflow.registry import get_registry
+    from kvflow.versions import cpu
 
     cache = Path(args.cache)
     cache.mkdir(parents=True, exist_ok=True)
@@ -188,16 +193,25 @@ def main() -> None:
     full_problem = problem_bytes(load_pipeline(probe), get_registry())
     memories = {"tight": full_problem * args.tight, "ample": full_problem * (args.ample or args.problems)}
     out = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
-           "machine": platform.processor() or platform.machine(), "load_before": os.getloadavg(),
+           "machine": cpu(), "load_before": os.getloadavg(),
            "shape": args.shape, "engine": args.engine, "problems": args.problems, "n": args.n,
            "max_tokens": args.max_tokens, "step_tokens": args.step_tokens, "budget": args.budget,
            "buffer": args.buffer, "full_problem_bytes": full_problem, "memories": memories, "runs": {}}
     for label, memory in memories.items():
         for method in args.methods.split(","):
-            r = measure(docs[method], memory, work)
-            out["runs"].setdefault(label, {})[method] = r
-            print(f"{label} ({memory / 2**20:.1f} MiB) {method}: {r}", flush=True)
+            for mode in args.modes.split(","):
+                doc, name = docs[method], method
+                if mode == "deterministic":
+                    doc = {**doc, "name": doc["name"] + "_det", "run": {**doc["run"], "deterministic": True}}
+                    name = f"{method}+deterministic"
+                r = measure(doc, memory, work)
+                out["runs"].setdefault(label, {})[name] = r
+                print(f"{label} ({memory / 2**20:.1f} MiB) {name}: {r}", flush=True)
         runs = out["runs"][label]
+        for name, r in runs.items():
+            default = runs.get(name.removesuffix("+deterministic"))
+            if name.endswith("+deterministic") and default:
+                r["vs_default"] = round(r["generated_tok_s"] / default["generated_tok_s"], 3)
         if "full" in runs:
             for method, r in runs.items():
                 r["vs_full"] = round(r["problems_per_min"] / runs["full"]["problems_per_min"], 3)

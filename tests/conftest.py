@@ -231,6 +231,7 @@ SLOW_TESTS = {
     "test_every_component_example_passes_its_contract_suite",  # 172 s: every contract suite, SGLang's too
     "test_sigkill_at_random_moments_resumes_exactly", "test_sigint_stops_cleanly_with_exit_130_and_resumes",
     "test_a_released_worker_is_closed_before_another_starts_and_a_held_one_is_not",  # three SGLang engines
+    "test_a_catalog_checkpoint_in_bf16_gives_each_problem_the_same_run_alone_and_among_3_others",  # 2 runs, 25 s
 }
 _SLOW_ID = re.compile(r"sglang|vllm|mkdocs", re.I)  # in the test's class, name or parameters (not its file)
 
@@ -252,7 +253,7 @@ FILE_SECONDS = {
     "test_serve_sglang.py": 80, "test_ray_executor.py": 70, "test_sglang_data_parallel.py": 65,
     "test_evictor_contract_kvpress.py": 70, "test_serve.py": 60, "test_evictor_contract.py": 60, "test_vllm.py": 55, "test_scorer_contract.py": 55,
     "test_vllm_evicted.py": 55, "test_pruner_contract.py": 55, "test_reliability.py": 50,
-    "test_sglang_replay.py": 50, "test_e2e.py": 45, "test_doctor.py": 45, "test_serve_harness.py": 40,
+    "test_sglang_replay.py": 50, "test_e2e.py": 45, "test_doctor.py": 45, "test_batch_invariant.py": 45, "test_serve_harness.py": 40,
 }
 
 

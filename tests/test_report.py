@@ -379,3 +379,32 @@ def test_a_wrapped_evictor_is_named_with_its_allocation(tmp_path):
     config["proposers"]["base"]["evictor"]["allocation"] = {"kind": "adakv"}
     (path / "config.resolved.yaml").write_text(yaml.safe_dump(config))
     assert load_run(path).evictor == "keydiff+adakv"
+
+
+def test_the_leaderboard_says_when_its_runs_computed_on_different_cpus(tmp_path):
+    """manifest.json records the CPU (model, native bf16 instructions); a leaderboard over runs
+    from two CPUs says so, since bf16 rounding, hence a problem's tokens, can differ between them."""
+    import json
+
+    from kvflow.report import build_tables, load_runs
+
+    full = make_run(tmp_path, "c_full", [True, False], evictor="none", n=1, helper=False, pruners=False)
+    evicted = make_run(tmp_path, "c_knorm", [True, True], evictor="knorm", n=1, helper=False, pruners=False)
+    cpus = {full: {"model": "AMD EPYC 9R14", "cores": 2, "bf16_matmul": "avx512_bf16"},
+            evicted: {"model": "Intel(R) Xeon(R) Processor", "cores": 2, "bf16_matmul": "amx_bf16"}}
+    for path, cpu in cpus.items():
+        manifest = json.loads((path / "manifest.json").read_text())
+        (path / "manifest.json").write_text(json.dumps({**manifest, "cpu": cpu}))
+    note = _table(build_tables(load_runs([str(tmp_path)])), "leaderboard").note
+    assert "different CPUs" in note and "AMD EPYC 9R14, bf16 matmul avx512_bf16" in note and "amx_bf16" in note
+    manifest = json.loads((evicted / "manifest.json").read_text())
+    (evicted / "manifest.json").write_text(json.dumps({**manifest, "cpu": cpus[full]}))
+    assert "different CPUs" not in _table(build_tables(load_runs([str(tmp_path)])), "leaderboard").note
+
+
+def test_a_runs_manifest_records_its_cpu():
+    from kvflow.versions import cpu
+
+    info = cpu()
+    assert set(info) == {"model", "cores", "bf16_matmul"} and info["cores"] >= 1
+    assert info["bf16_matmul"] in (None, "amx_bf16", "avx512_bf16")

@@ -133,10 +133,11 @@ class RunConfig(Frozen):
         "score, finish, tokens, whether committed), not only the committed ones, for `kvflow view`. Costs about "
         "the text of all N candidates per step: docs/results.md has a measurement.")
     deterministic: bool = Field(
-        False, description="Deterministic kernels where the engine has them: SGLang's batch-invariant "
-        "`enable_deterministic_inference` (a GPU attention backend; refused on a CPU), and on `hf` torch's "
-        "deterministic algorithms (a rerun of the same schedule is bitwise identical; hf's batched forward stays "
-        "batch-variant at the last bit: docs/concepts.md).")
+        False, description="Batch-invariant decoding: a problem's trajectory does not depend on which problems "
+        "share its forwards. On `hf` (CPU and GPU) kvflow's batch-invariant forwards (linear layers in fixed-size "
+        "tiles, attention row by row; slower: docs/benchmarks.md#batch-invariant-hf) under torch's deterministic "
+        "algorithms; on SGLang its `enable_deterministic_inference` and on vLLM its `VLLM_BATCH_INVARIANT` mode, "
+        "both on a GPU only (refused on a CPU).")
     overlap_engines: Literal["auto", "on", "off"] = Field(
         "auto", description="Let models decode at once: each in-process model (hf) steps on a thread of its own "
         "and SGLang's streamed tokens are read (pruners, stop rules) while the other forwards run. `auto`: when an "

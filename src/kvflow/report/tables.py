@@ -243,7 +243,19 @@ def leaderboard(runs: Sequence[Run], names: Optional[SeriesNames] = None) -> Opt
             rank = 1 if row[2] != last_budget else rank + 1
             row[0], last_budget = rank, row[2]
         t.rows.extend(rows)
+    cpus = {_cpu_text(r) for r in runs if not r.served}
+    if len(cpus) > 1:  # bf16 rounds differently on other CPUs: per-problem pairs then mix machine and method
+        t.note += (" These runs computed on different CPUs (" + "; ".join(sorted(cpus)) + "): a problem's "
+                   "tokens can differ between CPUs at the last bit of bf16, so per-problem pairs mix the two.")
     return t if t.rows else None
+
+
+def _cpu_text(run: Run) -> str:
+    """manifest.json's `cpu` in words ("not recorded" for runs from before kvflow recorded it)."""
+    cpu = run.manifest.get("cpu") or {}
+    if not cpu.get("model"):
+        return "not recorded"
+    return f"{cpu['model']}, bf16 matmul {cpu.get('bf16_matmul') or 'none'}"
 
 
 def served_table(runs: Sequence[Run], names: Optional[SeriesNames] = None) -> Optional[Table]:

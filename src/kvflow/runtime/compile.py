@@ -55,7 +55,7 @@ def check_models(loaded: LoadedPipeline, registry=None) -> None:
         elif why:
             problems.append(loaded.problem(f"models.{key}.id", f"model {cfg.id!r} is not available: {why}", cpu_hint()))
     problems += engine_use_problems(loaded, registry)
-    problems += deterministic_problems(loaded)
+    problems += deterministic_problems(loaded, registry)
     if problems:
         raise UserError(problems)
 
@@ -324,16 +324,23 @@ def engine_facts(plan, engines: dict) -> dict:
             "placement": plan.placement.to_dict() if plan.placement else None}
 
 
-def deterministic_engines(loaded: LoadedPipeline) -> LoadedPipeline:
-    """With `run.deterministic`, SGLang engines run SGLang's batch-invariant kernels
-    (`enable_deterministic_inference`); `check_models` refuses it where they cannot run."""
+def deterministic_engines(loaded: LoadedPipeline, registry=None) -> LoadedPipeline:
+    """With `run.deterministic`, each used model's entry gets the engine settings its backend
+    names for batch-invariant decoding (`Backend.batch_invariant(model_cfg)`; `check_models`
+    refused the entries it cannot serve so)."""
     import dataclasses
+
+    from kvflow.registry import get_registry
 
     pipe = loaded.pipeline
     if not pipe.run.deterministic:
         return loaded
-    models = {k: m.model_copy(update={"engine": {**(m.engine or {}), "enable_deterministic_inference": True}})
-              if m.backend == "sglang" else m for k, m in pipe.models.items()}
+    registry = registry or get_registry()
+    models = dict(pipe.models)
+    for key in used_models(loaded):
+        settings, _ = batch_invariant(registry, models[key])
+        if settings:
+            models[key] = models[key].model_copy(update={"engine": {**(models[key].engine or {}), **settings}})
     return dataclasses.replace(loaded, pipeline=pipe.model_copy(update={"models": models}))
 
 
@@ -389,25 +396,33 @@ def kv_memory_engines(loaded: LoadedPipeline) -> LoadedPipeline:
     return dataclasses.replace(loaded, pipeline=pipe.model_copy(update={"models": models}))
 
 
-def deterministic_problems(loaded: LoadedPipeline) -> list:
-    """`run.deterministic` where an engine cannot have it: SGLang's deterministic inference
-    needs a GPU (it refuses the CPU's torch_native attention, and its seeded CPU kernel is not
-    on PyPI); kvflow does not set up vLLM's batch-invariant mode (yet) on any device."""
-    from kvflow.models.loading import resolve_device
+def batch_invariant(registry, model_cfg) -> tuple:
+    """The backend's answer for `run.deterministic` on this entry: (engine settings, None) or
+    (None, why not); a backend that does not declare `batch_invariant` cannot."""
+    backend = registry.get("backends", model_cfg.backend)
+    declared = getattr(backend, "batch_invariant", None)
+    if declared is None:
+        return None, (f"runs on backend {model_cfg.backend!r}, which does not declare batch-invariant decoding "
+                      "(`batch_invariant(model_cfg)`)")
+    return declared(model_cfg)
+
+
+def deterministic_problems(loaded: LoadedPipeline, registry=None) -> list:
+    """`run.deterministic` where a used model's backend cannot decode batch-invariantly (as
+    the backend says: `Backend.batch_invariant(model_cfg)`)."""
+    from kvflow.registry import get_registry
 
     pipe = loaded.pipeline
     if not pipe.run.deterministic:
         return []
-    hint = "unset run.deterministic, or put models.{key} on backend 'hf' (torch's deterministic algorithms)"
-    problems = [loaded.problem("run.deterministic", f"models.{key} runs on SGLang on the CPU, where SGLang has no "
-                                                    "deterministic (batch-invariant) inference: it needs a GPU "
-                                                    "attention backend (flashinfer, fa3 or triton)", hint.format(key=key))
-                for key in used_models(loaded)
-                if pipe.models[key].backend == "sglang" and resolve_device(pipe.models[key].device) == "cpu"]
-    problems += [loaded.problem("run.deterministic", f"models.{key} runs on vLLM, whose batch-invariant inference "
-                                                     "kvflow does not set up: a candidate's tokens could depend on "
-                                                     "the batch it decodes in", hint.format(key=key))
-                 for key in used_models(loaded) if pipe.models[key].backend == "vllm"]
+    registry = registry or get_registry()
+    problems = []
+    for key in used_models(loaded):
+        _, why = batch_invariant(registry, pipe.models[key])
+        if why:
+            problems.append(loaded.problem("run.deterministic", f"models.{key} {why}",
+                                           f"unset run.deterministic, or put models.{key} on a GPU or on backend 'hf' "
+                                           "(kvflow's batch-invariant forwards, CPU or GPU)"))
     return problems
 
 

@@ -257,6 +257,8 @@ def merge_occupancy(previous: Optional[dict], current: dict) -> dict:
 
 def manifest(loaded: LoadedPipeline, registry) -> dict:
     """manifest.json at the start of a run (an executor adds its engines' facts)."""
+    from kvflow.versions import cpu
+
     versions = installed_versions()
     return {
         "name": loaded.pipeline.name,
@@ -269,6 +271,7 @@ def manifest(loaded: LoadedPipeline, registry) -> dict:
                     for p in registry.plugins()],
         "git_commit": git_commit(),
         "host": platform.node(),
+        "cpu": cpu(),
         "started": now(),
         "command": sys.argv,
     }

@@ -36,6 +36,13 @@ class HFBackend:
         return check_available(model_cfg)
 
     @staticmethod
+    def batch_invariant(model_cfg):
+        """`run.deterministic` on this entry: (engine settings for it, None), or (None, why it
+        cannot be). hf's batch-invariant forwards follow torch's deterministic algorithms, which
+        the run turns on (kvflow.backends.hf.invariant): no engine setting, any device."""
+        return {}, None
+
+    @staticmethod
     def load(model_cfg):
         """The engine of the model; model entries that load the very same weights (see
         `load_model`) share one engine, so their proposers decode in one forward."""

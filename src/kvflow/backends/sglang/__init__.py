@@ -54,6 +54,18 @@ class SGLangBackend:
         return check_installed() or check_settings(model_cfg) or check_model(model_cfg)
 
     @staticmethod
+    def batch_invariant(model_cfg):
+        """`run.deterministic` on this entry: (engine settings for it, None), or (None, why it
+        cannot be): SGLang's `enable_deterministic_inference`, which needs a GPU attention backend
+        (it refuses the CPU's torch_native, and its seeded CPU kernel is not on PyPI)."""
+        from kvflow.models.loading import resolve_device
+
+        if resolve_device(model_cfg.device) == "cpu":
+            return None, ("runs on SGLang on the CPU, where SGLang has no deterministic (batch-invariant) "
+                          "inference: it needs a GPU attention backend (flashinfer, fa3 or triton)")
+        return {"enable_deterministic_inference": True}, None
+
+    @staticmethod
     def load(model_cfg, evicting: bool = True, evictors=None):
         """The model's engine. `evicting` (kvflow passes it): whether an evicted proposer runs
         on it; a full-context engine gets no kvflow hook at all. `evictors` (kvflow passes

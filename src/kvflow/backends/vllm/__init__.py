@@ -53,6 +53,18 @@ class VLLMBackend:
         return check_settings(model_cfg) or check_installed() or check_model(model_cfg)
 
     @staticmethod
+    def batch_invariant(model_cfg):
+        """`run.deterministic` on this entry: (engine settings for it, None), or (None, why it
+        cannot be): vLLM's `VLLM_BATCH_INVARIANT` mode (kvflow's engine setting `batch_invariant`
+        sets it in the worker's environment), whose kernels are Triton's, on a GPU only."""
+        from kvflow.models.loading import resolve_device
+
+        if resolve_device(model_cfg.device) == "cpu":
+            return None, ("runs on vLLM on the CPU, where vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT, "
+                          "Triton kernels) does not run: it needs a GPU")
+        return {"batch_invariant": True}, None
+
+    @staticmethod
     def load(model_cfg):
         """The model's engine."""
         from kvflow.backends.vllm.loading import load_engine

@@ -28,7 +28,12 @@ SUPPORTED_VERSIONS = ("0.32.0",)
 
 #: kvflow's own settings; the model entry's keys of the same meaning are used instead
 RESERVED = {"model": "id", "tokenizer": "tokenizer", "dtype": "dtype", "revision": "revision",
-            "trust_remote_code": "trust_remote_code", "skip_tokenizer_init": None, "device": "device"}
+            "trust_remote_code": "trust_remote_code", "skip_tokenizer_init": None, "device": "device",
+            "batch_invariant": "run.deterministic"}
+
+#: kvflow's own engine setting (not an `EngineArgs` field): `run.deterministic` on a GPU sets it,
+#: the worker's environment then has `VLLM_BATCH_INVARIANT=1` and the worker drops it from the arguments
+BATCH_INVARIANT = "batch_invariant"
 
 #: defaults on every device: the trajectory is a prefix every request of a problem shares
 #: (prefix caching), logprobs are the model's own at temperature 1 (`raw_logprobs`: kvflow's
@@ -107,7 +112,8 @@ def check_settings(model_cfg) -> Optional[tuple[str, str]]:
     for key in (model_cfg.engine or {}):
         if key in RESERVED:
             own = RESERVED[key]
-            return (f"engine.{key}", f"`{key}` is set by kvflow" + (f" from the model entry's `{own}`" if own else ""))
+            source = f" from `{own}`" if own and "." in own else f" from the model entry's `{own}`" if own else ""
+            return (f"engine.{key}", f"`{key}` is set by kvflow{source}")
     return refusal(model_cfg.engine or {})
 
 
@@ -166,6 +172,8 @@ def worker_env(engine_kwargs: dict) -> dict:
     cores, which a machine shared with kvflow's other engines does not have to spare), idle
     OpenMP threads that sleep; what the caller's environment sets wins."""
     env = dict(os.environ)
+    if engine_kwargs.get(BATCH_INVARIANT):  # run.deterministic on a GPU (VLLMBackend.batch_invariant)
+        env["VLLM_BATCH_INVARIANT"] = "1"
     for key, value in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                        "OMP_WAIT_POLICY": "PASSIVE", "PYTHONUNBUFFERED": "1",
                        "VLLM_NO_USAGE_STATS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}.items():
@@ -177,4 +185,4 @@ def worker_env(engine_kwargs: dict) -> dict:
 #: the resolved settings `manifest.json` records per vLLM engine (what the worker reports)
 RECORDED = ("device", "dtype", "max_model_len", "logprobs_mode", "max_logprobs", "enforce_eager", "block_size",
             "enable_prefix_caching", "kv_cache_dtype", "max_num_seqs", "max_num_batched_tokens",
-            "tensor_parallel_size", "runner")
+            "tensor_parallel_size", "runner", "batch_invariant")

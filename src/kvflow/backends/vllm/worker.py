@@ -67,7 +67,8 @@ def resolved_settings(engine) -> dict:
             "block_size": cache.block_size, "kv_blocks": cache.num_gpu_blocks, "enable_prefix_caching": cache.enable_prefix_caching,
             "kv_cache_dtype": str(cache.cache_dtype), "max_num_seqs": sched.max_num_seqs,
             "max_num_batched_tokens": sched.max_num_batched_tokens,
-            "tensor_parallel_size": config.parallel_config.tensor_parallel_size, "runner": model.runner_type}
+            "tensor_parallel_size": config.parallel_config.tensor_parallel_size, "runner": model.runner_type,
+            "batch_invariant": os.environ.get("VLLM_BATCH_INVARIANT", "0") == "1"}
 
 
 class _Serve:
@@ -277,7 +278,8 @@ def main() -> int:
     if not first.strip():
         return 2
     hello = json.loads(first)
-    kwargs = hello["engine"]
+    kwargs = dict(hello["engine"])
+    kwargs.pop("batch_invariant", None)  # kvflow's: VLLM_BATCH_INVARIANT is in this process's environment
     try:
         import vllm
         from vllm import EngineArgs
