@@ -32,7 +32,7 @@ FRESH = dict(model="tiny", messages=question_messages(2), seed=21)
 def server(tmp_path_factory):
     directory = tmp_path_factory.mktemp("harness")
     pipeline = tiny_serving_pipeline(directory, ignore=["*"], clamp_max_tokens=True)
-    srv = start_server(directory, "--metrics-public", pipeline=pipeline)
+    srv = start_server(directory, "--metrics-public", "--progress", "1", pipeline=pipeline)
     srv.fresh = srv.client().chat.completions.create(**FRESH)  # before any other traffic
     yield srv
     srv.proc.kill()
@@ -64,11 +64,34 @@ def test_max_tokens_past_the_limit_is_clamped_and_said(server):
 
 
 def test_any_field_is_ignored_with_a_star(server):
+    """... and the answer says which (a header, and `kvflow.ignored` in a whole answer): a
+    harness's `temperature: 0` is not honoured, the pipeline's sampling is."""
     reply = server.post("/v1/chat/completions", {**CHAT, "max_tokens": 4, "temperature": 0, "top_k": 5, "store": True,
                                                  "repetition_penalty": 1.1, "min_p": 0.1, "logit_bias": {"1": 2}})
     assert reply.status_code == 200, reply.text
+    ignored = ["logit_bias", "min_p", "repetition_penalty", "store", "temperature", "top_k"]
+    assert reply.headers["x-kvflow-ignored"] == ", ".join(ignored) and reply.json()["kvflow"]["ignored"] == ignored
     reply = server.post("/v1/completions", {"model": "tiny", "prompt": "1+1=", "max_tokens": 4, "top_k": 5})
     assert reply.status_code == 200, reply.text
+    assert reply.headers["x-kvflow-ignored"] == "top_k"
+    plain = server.post("/v1/completions", {"model": "tiny", "prompt": "1+1=", "max_tokens": 4, "n": 1, "seed": 3})
+    assert "x-kvflow-ignored" not in plain.headers and "ignored" not in plain.json()["kvflow"]
+    with httpx.stream("POST", server.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={**CHAT, "max_tokens": 4, "stream": True, "temperature": 0.3}, timeout=60) as streamed:
+        assert streamed.status_code == 200 and streamed.headers["x-kvflow-ignored"] == "temperature"
+        streamed.read()
+
+
+def test_the_server_prints_progress_while_it_serves(server):
+    """Between "serving" and "stopped", a line every --progress seconds while there is traffic."""
+    import time
+
+    server.post("/v1/chat/completions", {**CHAT, "max_tokens": 4})
+    deadline = time.monotonic() + 30
+    while "requests answered" not in server.log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    line = next(x for x in server.log.read_text().splitlines() if "requests answered" in x)
+    assert "in flight" in line and "queued" in line and "tokens generated" in line
 
 
 def test_metrics_public_and_the_rest_behind_the_key(server):

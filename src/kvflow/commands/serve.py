@@ -28,6 +28,10 @@ def serve(
              "and `kvflow report`."),
     metrics_public: bool = typer.Option(
         False, "--metrics-public", help="Serve /metrics without the API key (for a Prometheus scraper without it)."),
+    progress: float = typer.Option(
+        30.0, "--progress", min=0.0, metavar="SECONDS",
+        help="Every SECONDS while requests come, print a progress line to stderr (requests answered, in flight, "
+             "queued, tokens generated and tokens/s); 0: none."),
 ) -> None:
     """Serve a pipeline behind an OpenAI-compatible API (chat and text completions).
 
@@ -72,5 +76,5 @@ def serve(
         from kvflow.serve.server import serve as serve_  # heavy (torch, fastapi): only here
 
         code = serve_(loaded, plugin_registry(), host=host, port=port, grace=grace, api_key=api_key, record=record,
-                      metrics_public=metrics_public)
+                      metrics_public=metrics_public, progress=progress)
     raise typer.Exit(code)

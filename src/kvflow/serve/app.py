@@ -243,6 +243,8 @@ async def _complete(service: Service, request: Request, parse) -> Any:
     headers = {"X-Request-Id": job.rid}
     if req.clamped_from is not None:
         headers["X-Kvflow-Max-Tokens-Clamped"] = f"requested {req.clamped_from}, used {req.max_tokens}"
+    if req.ignored:  # accepted through serve.ignore but not honoured (e.g. temperature: the proposers' sampling)
+        headers["X-Kvflow-Ignored"] = ", ".join(req.ignored)
     if req.stream:
         return StreamingResponse(_stream(service, job, created), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", **headers})
@@ -256,12 +258,14 @@ def _check_logprobs(service: Service, req) -> None:
     if service.logprobs_problem:
         if ignored("logprobs", service.ignore):
             req.token_logprobs, req.top_logprobs = False, 0
+            req.ignored = sorted({*req.ignored, "logprobs"})
             return
         raise ApiError(400, f"`logprobs` cannot be given by this pipeline: {service.logprobs_problem}",
                        param="logprobs", code="unsupported_field")
     if req.top_logprobs:
         if ignored(field, service.ignore):
             req.top_logprobs = 0
+            req.ignored = sorted({*req.ignored, field})
             return
         k = "`top_logprobs`" if req.kind == "chat" else "`logprobs` k"
         zero = "`top_logprobs: 0`" if req.kind == "chat" else "`logprobs: 0`"
@@ -294,6 +298,8 @@ async def _whole(service: Service, job: Job, request: Request, created: int, hea
                 tokens += event[3]
             elif event[0] == "end":
                 facts = {"request_id": job.rid, "steps": job.steps, "finish": job.traj.finish if job.traj else None}
+                if job.req.ignored:
+                    facts["ignored"] = job.req.ignored
                 return JSONResponse(response(job.req, job.rid, created, "".join(text), event[1], event[2], facts,
                                              answer_logprobs(job.req, tokens)), headers=headers)
             else:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from typing import Callable
+from typing import Callable, Optional
 
 BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
@@ -80,6 +80,25 @@ class Metrics:
                 self.first_step.observe(first_step)
             if total is not None:
                 self.latency.observe(total)
+
+    def progress(self, since: "tuple[float, int, int] | None", clock: float) -> "tuple[Optional[str], tuple]":
+        """The server's progress line since the snapshot `since` (clock, answered, tokens), or None
+        when nothing happened then; and the new snapshot. `clock`: time.monotonic() now."""
+        g = self.gauges()
+        with self.lock:
+            answered = sum(n for (_, status), n in self.requests.items() if status < 400)
+            failed = sum(n for (_, status), n in self.requests.items() if status >= 400)
+            tokens = sum(self.tokens.values())
+        snapshot = (clock, answered + failed, tokens)
+        in_flight, queued = g.get("in_flight", 0), g.get("queued", 0)
+        if since is not None and snapshot[1:] == since[1:] and not in_flight and not queued:
+            return None, snapshot
+        rate = ""
+        if since is not None and clock > since[0]:
+            rate = f", {(tokens - since[2]) / (clock - since[0]):.1f} tok/s over the last {clock - since[0]:.0f} s"
+        line = (f"{answered} requests answered" + (f", {failed} refused or failed" if failed else "")
+                + f", {in_flight} in flight, {queued} queued; {tokens} tokens generated{rate}")
+        return line, snapshot
 
     def text(self) -> str:
         g = self.gauges()

@@ -86,6 +86,8 @@ class Request:
     token_logprobs: bool = False  # the answer's tokens with their log-probabilities (chat `logprobs: true`,
     # completions `logprobs: k`)
     top_logprobs: int = 0  # alternatives asked for per token (chat `top_logprobs`, completions' `logprobs` k)
+    ignored: list[str] = field(default_factory=list)  # fields asked for but not honoured (`serve.ignore`):
+    # the answer says so (header `X-Kvflow-Ignored`, `kvflow.ignored`)
 
 
 # fields each endpoint honours (besides the ignorable ones)
@@ -99,18 +101,25 @@ def ignored(name: str, ignore: frozenset) -> bool:
     return name in ignore or "*" in ignore
 
 
-def _refuse_fixed(body: dict, ignore: frozenset, scoring: bool) -> None:
+def _refuse_fixed(body: dict, ignore: frozenset, scoring: bool) -> list[str]:
+    """The pipeline-decided fields the body sets: refused (400) unless `serve.ignore` lists
+    them; returns those accepted and ignored."""
+    accepted = []
     for name in SERVE_IGNORABLE:
-        if name not in body or ignored(name, ignore):
+        if name not in body:
             continue
         if scoring and name == "temperature" and body[name] in (0, 0.0):
             continue  # a scoring request is greedy
         value = body[name]
         if value is None or (name == "n" and value == 1):
             continue  # the OpenAI default spelled out asks for nothing
+        if ignored(name, ignore):
+            accepted.append(name)
+            continue
         raise ApiError(400, f"`{name}` is decided by the pipeline (its proposers' sampling, one answer per request, "
                             f"no tools) and cannot be set per request; leave it out, or list it in the pipeline's "
                             f"`serve.ignore` to have it accepted and ignored", param=name, code="unsupported_field")
+    return accepted
 
 
 def _common(body: Any, allowed: set, ignore: frozenset, served_model: str, max_tokens_limit: int, kind: str,
@@ -123,7 +132,8 @@ def _common(body: Any, allowed: set, ignore: frozenset, served_model: str, max_t
                             f"pipeline's `serve.ignore` may list it to have it accepted and ignored)",
                        param=unknown[0], code="unknown_field")
     scoring = kind == "completion" and body.get("echo") is True
-    _refuse_fixed(body, ignore, scoring)
+    ignored_fields = _refuse_fixed(body, ignore, scoring)
+    ignored_fields += [k for k in body if k not in allowed and k not in SERVE_IGNORABLE]  # unknown, in serve.ignore
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise ApiError(400, "`model` is required: the pipeline's name (GET /v1/models)", param="model")
@@ -169,7 +179,7 @@ def _common(body: Any, allowed: set, ignore: frozenset, served_model: str, max_t
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP:
         raise ApiError(400, f"`stop` must be a non-empty string or a list of at most {MAX_STOP} of them", param="stop")
     return Request(kind=kind, model=model, max_tokens=value, stream=stream, include_usage=include_usage, seed=seed,
-                   stop=list(stop), clamped_from=clamped_from)
+                   stop=list(stop), clamped_from=clamped_from, ignored=sorted(ignored_fields))
 
 
 def parse_chat(body: Any, *, ignore: frozenset, served_model: str, max_tokens_limit: int,

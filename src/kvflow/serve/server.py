@@ -70,7 +70,7 @@ def context_length(engine) -> Optional[int]:
 
 def serve(loaded: LoadedPipeline, registry, *, host: str = "127.0.0.1", port: int = 8000, grace: float = 30.0,
           api_key: Optional[str] = None, record: Optional[Path] = None, quiet: bool = False,
-          metrics_public: bool = False) -> int:
+          metrics_public: bool = False, progress: float = 30.0) -> int:
     """Serve `loaded` until SIGTERM/SIGINT (0) or an engine dies (1). See the module docstring."""
     from kvflow.runtime import compile as compile_
     from kvflow.runtime.core import say
@@ -129,12 +129,14 @@ def serve(loaded: LoadedPipeline, registry, *, host: str = "127.0.0.1", port: in
         say(quiet, f"serving {pipe.name} on http://{host}:{port}/v1 ({describe_admission(session.plan)}, "
                    f"{pipe.serve.queue} queued"
                    f"{', API key required' if api_key else ''})")
+        reporter = _Progress(metrics, progress, quiet)
         try:
             try:
                 server.run()
             except SystemExit:  # uvicorn could not start (the port in use): said below
                 pass
         finally:
+            reporter.stop()
             loop.drain(0 if loop.dead else grace)
             loop.join(grace + 30)
             if store is not None:
@@ -143,6 +145,37 @@ def serve(loaded: LoadedPipeline, registry, *, host: str = "127.0.0.1", port: in
             raise UserError(f"kvflow serve: could not listen on {host}:{port} (in use?)")
     say(quiet, "stopped" + (f": {loop.dead}" if loop.dead else ""))
     return 1 if loop.dead else 0
+
+
+class _Progress:
+    """Every `seconds`, a progress line on stderr while there is traffic (as `kvflow run`
+    prints one per problem): nothing when the server is idle, so a quiet server stays quiet."""
+
+    def __init__(self, metrics, seconds: float, quiet: bool) -> None:
+        import threading
+        import time
+
+        self._done = threading.Event()
+        self._thread = None
+        if seconds <= 0 or quiet:
+            return
+
+        def report() -> None:
+            from kvflow.runtime.core import say
+
+            line, snapshot = metrics.progress(None, time.monotonic())
+            while not self._done.wait(seconds):
+                line, snapshot = metrics.progress(snapshot, time.monotonic())
+                if line:
+                    say(False, line)
+
+        self._thread = threading.Thread(target=report, name="kvflow-serve-progress", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join(5)
 
 
 def _stop(server) -> None:
