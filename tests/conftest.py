@@ -218,6 +218,7 @@ SLOW_FILES = {
     "test_sglang.py", "test_sglang_data_parallel.py", "test_sglang_evicted.py", "test_sglang_gpu_settings.py",
     "test_sglang_scoring.py", "test_tutorials.py", "test_view_browser.py", "test_serve.py", "test_serve_sglang.py",
     "test_vllm.py", "test_vllm_evicted.py", "test_vllm_scoring.py", "test_serve_harness.py",
+    "test_serve_deterministic.py",
 }
 SLOW_FIXTURES = {"sglang_engine", "hf_engine", "ray_cluster", "shared_tiny_qwen"}
 SLOW_TESTS = {
@@ -253,7 +254,7 @@ FILE_SECONDS = {
     "test_serve_sglang.py": 80, "test_ray_executor.py": 70, "test_sglang_data_parallel.py": 65,
     "test_evictor_contract_kvpress.py": 70, "test_serve.py": 60, "test_evictor_contract.py": 60, "test_vllm.py": 55, "test_scorer_contract.py": 55,
     "test_vllm_evicted.py": 55, "test_pruner_contract.py": 55, "test_reliability.py": 50,
-    "test_sglang_replay.py": 50, "test_e2e.py": 45, "test_doctor.py": 45, "test_batch_invariant.py": 45, "test_serve_harness.py": 40,
+    "test_sglang_replay.py": 50, "test_e2e.py": 45, "test_doctor.py": 45, "test_batch_invariant.py": 45, "test_serve_deterministic.py": 35, "test_serve_harness.py": 40,
 }
 
 
