@@ -304,3 +304,19 @@ def test_a_separate_tokenizer_is_loaded_at_the_model_entrys_revision(tmp_path, m
                                    device="cpu"))
     loading.clear_model_cache()
     assert (str(tok_dir), "v1.2") in seen
+
+
+def test_models_path_prints_the_converted_checkpoint_a_tool_outside_kvflow_loads(cli):
+    """`kvflow models path NAME`: the transformers directory kvflow converted the catalog GGUF
+    into (what lm-eval's `tokenizer=` needs); an unknown name or dtype: exit 2 with a suggestion."""
+    import transformers
+
+    result = cli("models", "path", "smollm2-135m-instruct")
+    assert result.exit_code == 0, result.output
+    path = Path(result.output.strip().splitlines()[-1])
+    assert path.name == "hf-bfloat16" and (path / "config.json").is_file()
+    assert transformers.AutoTokenizer.from_pretrained(path).chat_template
+    unknown = cli("models", "path", "smollm2")
+    assert unknown.exit_code == 2 and "smollm2-135m-instruct" in unknown.output
+    bad = cli("models", "path", "smollm2-135m-instruct", "--dtype", "int4")
+    assert bad.exit_code == 2 and "--dtype" in bad.output

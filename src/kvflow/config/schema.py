@@ -196,6 +196,13 @@ class ServeConfig(Frozen):
     max_prompt_tokens: Optional[int] = Field(
         None, ge=1, description="Longest prompt in base-model tokens (chat template applied); unset: the base "
         "model's context length minus limits.max_tokens. Longer prompts get 400.")
+    seed_by: Literal["request", "dataset"] = Field(
+        "request", description="What seeds a request's rows. `request`: its `seed` (a request with `seed: i` is "
+        "seeded as `kvflow run` seeds problem `<dataset.name>/<i>`), else its id. `dataset`: a request whose "
+        "question (its last user message, or its prompt) is a question of the pipeline's dataset is seeded as "
+        "`kvflow run` seeds that problem, whatever `seed` it sends (said in X-Kvflow-Ignored), so that an "
+        "evaluation harness that sends one seed for every request (lm-eval: 1234) gets `kvflow run`'s answers "
+        "problem by problem (with run.deterministic; docs/serve.md).")
 
 
 class Pipeline(Frozen):

@@ -77,6 +77,17 @@ class Job:
             pass
 
 
+def dataset_questions(loaded) -> dict[str, str]:
+    """question -> problem id, over the pipeline's whole dataset (from `dataset.offset`, in
+    the run's order); a question asked twice keeps its first problem."""
+    from kvflow.runtime.core import load_dataset
+
+    out: dict[str, str] = {}
+    for problem in load_dataset(loaded, limit=None):
+        out.setdefault(problem.question, problem.id)
+    return out
+
+
 class Loop:
     """The engine thread over `session` (a kvflow.runtime.session.Session, entered)."""
 
@@ -101,6 +112,8 @@ class Loop:
         plan.scorer = _GuardedScorer(plan.scorer, self._scorer_fault)  # a scorer's fault fails its request alone
         self.names[id(plan.scorer)] = ("scorer", False)
         self.thread = threading.Thread(target=self._run, name="kvflow-serve-engines", daemon=True)
+        self.problem_ids = dataset_questions(session.loaded) if session.loaded.pipeline.serve.seed_by == "dataset" \
+            else {}  # serve.seed_by: dataset: question -> the problem id `kvflow run` seeds it by
 
     # ------------------------------------------------------------------ the asyncio side
 
@@ -121,7 +134,9 @@ class Loop:
                 raise ApiError(429, f"the server is full: {accepted} requests accepted, as many as it takes "
                                     f"({self.max_live} decoding at once, run.live_problems, and {self.queue_size} "
                                     f"waiting, serve.queue); retry later", code="queue_full")
-            if job.req.seed is not None:  # seeded as `kvflow run` seeds the problem `<dataset.name>/<seed>`
+            if job.question in self.problem_ids:  # serve.seed_by: dataset, a question of the dataset
+                job.seed_key = self.problem_ids[job.question]
+            elif job.req.seed is not None:  # seeded as `kvflow run` seeds the problem `<dataset.name>/<seed>`
                 job.seed_key = f"{self.session.loaded.pipeline.dataset.name}/{job.req.seed}"
             self.queue.append(job)
             self.cv.notify_all()
