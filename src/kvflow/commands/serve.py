@@ -31,7 +31,7 @@ def serve(
     progress: float = typer.Option(
         30.0, "--progress", min=0.0, metavar="SECONDS",
         help="Every SECONDS while requests come, print a progress line to stderr (requests answered, in flight, "
-             "queued, tokens generated and tokens/s); 0: none."),
+             "queued, answer tokens committed and their rate); 0: none."),
 ) -> None:
     """Serve a pipeline behind an OpenAI-compatible API (chat and text completions).
 

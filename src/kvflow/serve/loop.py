@@ -323,7 +323,7 @@ class Loop:
             job.steps.append(facts)
             if job.first_step is None:
                 job.first_step = time.perf_counter() - job.arrived
-            self.metrics.step(step.source)
+            self.metrics.step(step.source, n_tokens)
             job.push(("step", text, facts, tokens))
             if finish:
                 self._end(job, finish)

@@ -56,15 +56,18 @@ class Metrics:
         self.first_step = Histogram()
         self.latency = Histogram()
         self.cancelled = 0
+        self.answer_tokens = 0  # committed tokens sent to clients (the progress line's rate)
         self.gauges: Callable[[], dict] = lambda: {}
 
     def request(self, endpoint: str, status: int) -> None:
         with self.lock:
             self.requests[(endpoint, status)] += 1
 
-    def step(self, source: str) -> None:
+    def step(self, source: str, tokens: int = 0) -> None:
+        """A committed step sent to its client: `tokens` of its answer."""
         with self.lock:
             self.steps[source] += 1
+            self.answer_tokens += tokens
 
     def finished(self, tokens: dict, pruned: dict, cancelled: bool = False) -> None:
         with self.lock:
@@ -82,13 +85,15 @@ class Metrics:
                 self.latency.observe(total)
 
     def progress(self, since: "tuple[float, int, int] | None", clock: float) -> "tuple[Optional[str], tuple]":
-        """The server's progress line since the snapshot `since` (clock, answered, tokens), or None
-        when nothing happened then; and the new snapshot. `clock`: time.monotonic() now."""
+        """The server's progress line since the snapshot `since` (clock, answered, answer tokens
+        committed), or None when nothing happened then; and the new snapshot. `clock`:
+        time.monotonic() now. The rate counts committed answer tokens as their steps are sent
+        (candidates' tokens are counted when a request ends: /metrics)."""
         g = self.gauges()
         with self.lock:
             answered = sum(n for (_, status), n in self.requests.items() if status < 400)
             failed = sum(n for (_, status), n in self.requests.items() if status >= 400)
-            tokens = sum(self.tokens.values())
+            tokens = self.answer_tokens
         snapshot = (clock, answered + failed, tokens)
         in_flight, queued = g.get("in_flight", 0), g.get("queued", 0)
         if since is not None and snapshot[1:] == since[1:] and not in_flight and not queued:
@@ -97,7 +102,7 @@ class Metrics:
         if since is not None and clock > since[0]:
             rate = f", {(tokens - since[2]) / (clock - since[0]):.1f} tok/s over the last {clock - since[0]:.0f} s"
         line = (f"{answered} requests answered" + (f", {failed} refused or failed" if failed else "")
-                + f", {in_flight} in flight, {queued} queued; {tokens} tokens generated{rate}")
+                + f", {in_flight} in flight, {queued} queued; {tokens} answer tokens committed{rate}")
         return line, snapshot
 
     def text(self) -> str:
