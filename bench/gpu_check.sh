@@ -26,6 +26,9 @@
 #   bash bench/gpu_check.sh graphs     # issue 25, under a minute, no SGLang needed: kvflow's SGLang decode
 #                                      # hook (graph.decode_step) captured in a real CUDA graph with no kvflow
 #                                      # row, replayed after rows are admitted, vs eager (bench/sglang_graph_capture.py)
+#   bash bench/gpu_check.sh batchinv   # issue 49, about 3 minutes: hf's batch-invariant forwards on CUDA
+#                                      # (run.deterministic): a row's logits alone vs among 7 and 31 others,
+#                                      # mode off and on, and the mode's decode cost (bench/batch_invariant_check.py)
 # SGLang part (issue 16; runs only where SGLang 0.5.23 is importable, which the lent machine's
 # image was not): a random-weight Qwen2.5-Math-7B-shaped checkpoint on disk, evicted (R-KV,
 # B=64 + 128) vs full-KV decoding on SGLang at equal batch (N = 8) and growing output lengths:
@@ -109,6 +112,11 @@ graphs_part() {  # issue 25: the capturable SGLang hook under torch.cuda.graph, 
   PYTHONPATH="src:plugins:${PYTHONPATH:-}" timeout 120 ${PYTHON:-python3} bench/sglang_graph_capture.py --bs 64 \
     | tee "${OUT:-.}/gpu_sglang_graph_capture.json"
 }
+batchinv_part() {  # issue 49: cuBLAS and CUDA sdpa under kvflow's tiles and row-by-row attention
+  timeout 300 ${PYTHON:-python3} bench/batch_invariant_check.py --device cuda --shape qwen2.5-7b --layers 8 \
+    --batches 1,8,32 --steps 32 --prompt 200 --out "${OUT:-.}/gpu_batch_invariant.json"
+}
+if [ "${1:-}" = "batchinv" ]; then batchinv_part; exit $?; fi
 if [ "${1:-}" = "sglang" ]; then sglang_part; exit $?; fi
 if [ "${1:-}" = "graphs" ]; then graphs_part; exit $?; fi
 if [ "${1:-}" = "fast" ]; then fast_part; exit $?; fi

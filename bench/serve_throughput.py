@@ -18,6 +18,11 @@ engines each time:
   first request to the last answer, p50/p95 time to the first committed step (the first SSE
   chunk) and to the end; the ratio to run's problems per minute, at its own live_problems
   (`vs_run`) and at live_problems = c (`vs_run_same_live`);
+- where the time goes at each level: the CPU seconds of the server's threads by name (its
+  engine thread `kvflow-serve-engines`, the HTTP event loop on the main thread, torch's
+  workers), of the clients, which run in a process of their own (`--clients process`, the
+  default; `threads` runs them in the bench's process as before), and of the run at the same
+  live_problems, over the level's wall time x the CPUs;
 - soak (`--soak N`): N more requests at concurrency 8, every 4th closed after its first step
   (a cancellation), the server's resident memory (VmRSS) and /health's engine rows sampled
   every N/10 requests.
@@ -110,11 +115,13 @@ def run_baseline(path: Path, n: int, live: int | None = None) -> tuple[dict, lis
             end[tr.problem_id] = t
             session.forget(tr)
 
+        c0 = time.process_time()
         session.decode(source(), on_done, on_tick=on_tick)
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     ids = [p.id for p in problems]
     messages = [(int(p.id.rsplit("/", 1)[1]), template.messages(p.question)) for p in problems]
     return ({"problems": n, "live_problems": loaded.pipeline.run.live_problems, "wall_s": round(wall, 3),
+             "cpu_s": round(cpu, 3),
              "problems_per_min": round(60 * n / wall, 2),
              "first_step_p50_s": pct([first[i] for i in ids], 0.5), "first_step_p95_s": pct([first[i] for i in ids], 0.95),
              "done_p50_s": pct([end[i] for i in ids], 0.5), "done_p95_s": pct([end[i] for i in ids], 0.95)},
@@ -141,7 +148,61 @@ def stream_one(httpx, url: str, name: str, seed: int, messages, cancel: bool = F
     return first if first is not None else time.perf_counter() - t0, time.perf_counter() - t0
 
 
-def serve_levels(path: Path, name: str, messages, levels, soak: int) -> tuple[list, dict]:
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) of a process's threads, summed by thread name."""
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def cpu_delta(before: dict, after: dict) -> dict:
+    return {k: round(after.get(k, 0.0) - before.get(k, 0.0), 2) for k in sorted(set(before) | set(after))
+            if after.get(k, 0.0) - before.get(k, 0.0) >= 0.01}
+
+
+def clients(url: str, name: str, c: int, messages) -> tuple[list, float]:
+    """c streaming clients over `messages` until all are answered: [(first step s, end s)] and
+    the CPU seconds they took (this process's)."""
+    import httpx
+
+    todo = list(messages)
+    lock = threading.Lock()
+    results = []
+
+    def client():
+        while True:
+            with lock:
+                if not todo:
+                    return
+                seed, msgs = todo.pop(0)
+            results.append(stream_one(httpx, url, name, seed, msgs))
+
+    c0 = time.process_time()
+    threads = [threading.Thread(target=client) for _ in range(c)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results, time.process_time() - c0
+
+
+def clients_main(spec: str) -> None:
+    """`--clients-for SPEC`: the client process (SPEC: a JSON file {url, name, c, messages});
+    prints {"results", "cpu_s"}."""
+    job = json.loads(Path(spec).read_text())
+    results, cpu = clients(job["url"], job["name"], job["c"], job["messages"])
+    print(json.dumps({"results": results, "cpu_s": cpu}))
+
+
+def serve_levels(path: Path, name: str, messages, levels, soak: int, client_process: bool = True) -> tuple[list, dict]:
     import httpx
 
     port = free_port()
@@ -158,31 +219,27 @@ def serve_levels(path: Path, name: str, messages, levels, soak: int) -> tuple[li
         stream_one(httpx, url, name, 10**6, messages[0][1])  # warm-up, as the run's
         out = []
         for c in levels:
-            todo = list(messages)
-            lock = threading.Lock()
-            results = []
-
-            def client():
-                while True:
-                    with lock:
-                        if not todo:
-                            return
-                        seed, msgs = todo.pop(0)
-                    results.append(stream_one(httpx, url, name, seed, msgs))
-
+            server_before = thread_cpu(proc.pid)
             t0 = time.perf_counter()
-            threads = [threading.Thread(target=client) for _ in range(c)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            if client_process:  # the clients in a process of their own: not on the bench's GIL
+                spec = Path(tempfile.gettempdir()) / f"kvflow-serve-bench-clients-{port}.json"
+                spec.write_text(json.dumps({"url": url, "name": name, "c": c, "messages": messages}))
+                done = subprocess.run([sys.executable, __file__, "--clients-for", str(spec)], capture_output=True,
+                                      text=True, check=True)
+                answer = json.loads(done.stdout.strip().splitlines()[-1])
+                results, client_cpu = answer["results"], answer["cpu_s"]
+            else:
+                results, client_cpu = clients(url, name, c, messages)
             wall = time.perf_counter() - t0
+            server_cpu = cpu_delta(server_before, thread_cpu(proc.pid))
             out.append({"concurrency": c, "problems": len(results), "wall_s": round(wall, 3),
                         "problems_per_min": round(60 * len(results) / wall, 2),
                         "first_step_p50_s": pct([r[0] for r in results], 0.5),
                         "first_step_p95_s": pct([r[0] for r in results], 0.95),
                         "done_p50_s": pct([r[1] for r in results], 0.5),
-                        "done_p95_s": pct([r[1] for r in results], 0.95)})
+                        "done_p95_s": pct([r[1] for r in results], 0.95),
+                        "server_cpu_s": server_cpu, "clients_cpu_s": round(client_cpu, 2),
+                        "clients": "process" if client_process else "bench threads"})
             print(json.dumps(out[-1]), file=sys.stderr, flush=True)
         soaked = {}
         if soak:
@@ -242,8 +299,14 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--soak", type=int, default=0, help="requests of the memory/rows soak (0: none)")
     ap.add_argument("--out", type=Path, default=Path("docs/results/bench/serve_throughput.json"))
+    ap.add_argument("--clients", choices=("process", "threads"), default="process",
+                    help="run the clients in a process of their own (default) or as threads of this one")
+    ap.add_argument("--clients-for", help=argparse.SUPPRESS)  # the client process (internal)
     args = ap.parse_args()
-    import torch
+    if args.clients_for:
+        clients_main(args.clients_for)
+        return
+    import torch  # noqa: E402 - not needed by the client process
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
@@ -258,7 +321,7 @@ def main() -> None:
         for c in concurrency:
             same_live[c] = run_baseline(path, args.problems, live=c)[0]
             print(json.dumps({"run_live": same_live[c]}), file=sys.stderr, flush=True)
-        levels, soak = serve_levels(path, name, messages, concurrency, args.soak)
+        levels, soak = serve_levels(path, name, messages, concurrency, args.soak, args.clients == "process")
     for lv in levels:
         lv["vs_run"] = round(lv["problems_per_min"] / run["problems_per_min"], 3)
         lv["run_same_live"] = same_live[lv["concurrency"]]
