@@ -21,6 +21,8 @@ import threading
 from collections import defaultdict
 from typing import Callable, Optional
 
+COMPLETIONS = ("/v1/chat/completions", "/v1/completions")  # the endpoints the progress line counts
+
 BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -91,8 +93,9 @@ class Metrics:
         (candidates' tokens are counted when a request ends: /metrics)."""
         g = self.gauges()
         with self.lock:
-            answered = sum(n for (_, status), n in self.requests.items() if status < 400)
-            failed = sum(n for (_, status), n in self.requests.items() if status >= 400)
+            answers = [(status, n) for (endpoint, status), n in self.requests.items() if endpoint in COMPLETIONS]
+            answered = sum(n for status, n in answers if status < 400)
+            failed = sum(n for status, n in answers if status >= 400)
             tokens = self.answer_tokens
         snapshot = (clock, answered + failed, tokens)
         in_flight, queued = g.get("in_flight", 0), g.get("queued", 0)
