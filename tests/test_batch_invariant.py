@@ -4,7 +4,7 @@ A tiny random Qwen2 wide enough for the matrix kernels to block by rows, in bflo
 a last-bit difference flips sampled tokens): with the mode off a row's logits differ alone and
 batched (the control: else these tests could not fail); with it on they are equal bit for bit
 alone and among 1, 3 and 8 others, through prefill, decode, compaction, an observing evictor
-(H2O) and a per-layer allocation; and so are whole trajectories, sampled and greedy, evicted
+(H2O), a per-layer allocation and a quantized cache; and so are whole trajectories, sampled and greedy, evicted
 and full; and on a catalog checkpoint through `kvflow run`.
 """
 
@@ -46,7 +46,8 @@ def mode(on: bool):
 
 
 def evictor(kind: str):
-    from kvflow.components.params import PyramidAllocation
+    from kvflow.components.params import PyramidAllocation, QuantizeParams
+    from kvflow_builtin.evictors.breadthkv import BreadthKVEvictor
     from kvflow_builtin.evictors.h2o import H2OEvictor
     from kvflow_builtin.evictors.none import NoEviction
     from kvflow_builtin.evictors.random import RandomEvictor
@@ -56,7 +57,9 @@ def evictor(kind: str):
             "random": lambda: RandomEvictor(RandomEvictor.Params(budget=12, buffer=4, window=2)),
             "h2o": lambda: H2OEvictor(H2OEvictor.Params(budget=12, buffer=4)),
             "snapkv+pyramid": lambda: SnapKVEvictor(SnapKVEvictor.Params(
-                budget=12, buffer=4, window=2, allocation=PyramidAllocation(kind="pyramid", beta=4)))}[kind]()
+                budget=12, buffer=4, window=2, allocation=PyramidAllocation(kind="pyramid", beta=4))),
+            "breadthkv-quantized": lambda: BreadthKVEvictor(BreadthKVEvictor.Params(
+                budget=16, buffer=8, window=2, quantize=QuantizeParams(bits=4, group_size=8, residual=8)))}[kind]()
 
 
 def logits(runner, kind: str, which: list[int], steps: int = 6) -> torch.Tensor:
@@ -75,7 +78,7 @@ def logits(runner, kind: str, which: list[int], steps: int = 6) -> torch.Tensor:
     return torch.stack(out, 1)
 
 
-KINDS = ["none", "random", "h2o", "snapkv+pyramid"]
+KINDS = ["none", "random", "h2o", "snapkv+pyramid", "breadthkv-quantized"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
