@@ -149,7 +149,9 @@ def stream_one(httpx, url: str, name: str, seed: int, messages, cancel: bool = F
 
 
 def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds (user + system) of a process's threads, summed by thread name."""
+    """CPU seconds (user + system) of a process's threads: `main` (the server's HTTP event loop,
+    uvicorn's, on the main thread) and each other thread by its id (Python does not name OS
+    threads: the busiest other one is the engine thread)."""
     out: dict[str, float] = {}
     tick = os.sysconf("SC_CLK_TCK")
     for task in Path(f"/proc/{pid}/task").iterdir():
@@ -157,7 +159,7 @@ def thread_cpu(pid: int) -> dict[str, float]:
             stat = (task / "stat").read_text()
         except OSError:
             continue
-        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        name = "main" if task.name == str(pid) else f"thread {task.name}"
         fields = stat[stat.rindex(")") + 2 :].split()
         out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
     return out
@@ -168,9 +170,10 @@ def cpu_delta(before: dict, after: dict) -> dict:
             if after.get(k, 0.0) - before.get(k, 0.0) >= 0.01}
 
 
-def clients(url: str, name: str, c: int, messages) -> tuple[list, float]:
-    """c streaming clients over `messages` until all are answered: [(first step s, end s)] and
-    the CPU seconds they took (this process's)."""
+def clients(url: str, name: str, c: int, messages) -> tuple[list, float, float]:
+    """c streaming clients over `messages` until all are answered: [(first step s, end s)], the
+    CPU seconds they took (this process's) and the wall seconds from the first request sent to
+    the last answer (a client process's start-up left out)."""
     import httpx
 
     todo = list(messages)
@@ -185,21 +188,21 @@ def clients(url: str, name: str, c: int, messages) -> tuple[list, float]:
                 seed, msgs = todo.pop(0)
             results.append(stream_one(httpx, url, name, seed, msgs))
 
-    c0 = time.process_time()
+    c0, t0 = time.process_time(), time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(c)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return results, time.process_time() - c0
+    return results, time.process_time() - c0, time.perf_counter() - t0
 
 
 def clients_main(spec: str) -> None:
     """`--clients-for SPEC`: the client process (SPEC: a JSON file {url, name, c, messages});
     prints {"results", "cpu_s"}."""
     job = json.loads(Path(spec).read_text())
-    results, cpu = clients(job["url"], job["name"], job["c"], job["messages"])
-    print(json.dumps({"results": results, "cpu_s": cpu}))
+    results, cpu, wall = clients(job["url"], job["name"], job["c"], job["messages"])
+    print(json.dumps({"results": results, "cpu_s": cpu, "wall_s": wall}))
 
 
 def serve_levels(path: Path, name: str, messages, levels, soak: int, client_process: bool = True) -> tuple[list, dict]:
@@ -220,17 +223,15 @@ def serve_levels(path: Path, name: str, messages, levels, soak: int, client_proc
         out = []
         for c in levels:
             server_before = thread_cpu(proc.pid)
-            t0 = time.perf_counter()
             if client_process:  # the clients in a process of their own: not on the bench's GIL
                 spec = Path(tempfile.gettempdir()) / f"kvflow-serve-bench-clients-{port}.json"
                 spec.write_text(json.dumps({"url": url, "name": name, "c": c, "messages": messages}))
                 done = subprocess.run([sys.executable, __file__, "--clients-for", str(spec)], capture_output=True,
                                       text=True, check=True)
                 answer = json.loads(done.stdout.strip().splitlines()[-1])
-                results, client_cpu = answer["results"], answer["cpu_s"]
+                results, client_cpu, wall = answer["results"], answer["cpu_s"], answer["wall_s"]
             else:
-                results, client_cpu = clients(url, name, c, messages)
-            wall = time.perf_counter() - t0
+                results, client_cpu, wall = clients(url, name, c, messages)
             server_cpu = cpu_delta(server_before, thread_cpu(proc.pid))
             out.append({"concurrency": c, "problems": len(results), "wall_s": round(wall, 3),
                         "problems_per_min": round(60 * len(results) / wall, 2),
