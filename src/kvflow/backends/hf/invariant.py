@@ -7,13 +7,16 @@ others (issue 49). What makes a plain batched forward batch-dependent, and what 
 
 - **Linear layers.** A GEMM picks its blocking from the number of rows M (on a 2-core Xeon
   with AMX, bf16 [M, 1536] x [1536, 8960]: rows equal a row alone for M <= 32, 5 of 8 differ at
-  M = 64). Here every linear layer runs in tiles of exactly `TILE_ROWS` rows (the last one
-  padded with zeros), so each row goes through a GEMM of the same shape whatever the batch.
-  That relies on a GEMM of one shape treating its rows alike wherever they sit (true of the
-  CPU and cuBLAS kernels measured: row i's dot products do not depend on row j);
-  `check_tiles` tries it at the first forward on the model's own weight shapes and refuses the
-  run, loudly, where it does not hold. On CPUs that compute bf16 in float32
-  (`kvflow.backends.hf.matmul`) every tile upcasts, decided from the CPU flags only.
+  M = 64). Here every linear layer runs in tiles of exactly T rows (the last one padded with
+  zeros), so each row goes through a GEMM of the same shape whatever the batch. That relies
+  on a GEMM of one shape treating its rows alike wherever they sit: true of the kernels
+  measured, as long as T is a whole number of the kernel's row blocks (a last, partial block
+  may be computed by another micro-kernel). `choose_tile` tries the candidates of
+  `TILE_CANDIDATES` in order on the model's own weight shapes at the first forward and keeps
+  the first under which a row gets the same bits at the first, a middle and the last place of
+  two calls with other neighbours (the kernels decide, not a timing: the same machine always
+  picks the same T), and refuses the run, loudly, where none does. On CPUs that compute bf16
+  in float32 (`kvflow.backends.hf.matmul`) every tile upcasts, decided from the CPU flags only.
 - **Attention.** sdpa's kernels split the keys in blocks whose tails depend on the span of
   the batch (its longest row), so a padded row reduces differently from the same row alone.
   Here attention runs row by row over the row's own keys and real queries, always with an
@@ -37,10 +40,12 @@ from torch.overrides import TorchFunctionMode
 
 from kvflow.errors import UserError
 
-#: rows of every GEMM a linear layer runs in batch-invariant mode: a decode step of this many
-#: rows or fewer is one tile (on a CPU decode reads the weights once whatever M, so the padding
-#: costs arithmetic, not memory traffic); a prefill of P tokens runs ceil(P / TILE_ROWS) tiles
-TILE_ROWS = 32
+#: rows of every GEMM a linear layer runs in batch-invariant mode, tried in this order
+#: (`choose_tile`): a decode step of T rows or fewer is one tile (on a CPU decode reads the
+#: weights once whatever M, so the padding costs arithmetic, not memory traffic); a prefill of P
+#: tokens runs ceil(P / T) tiles. 48 and 96 are whole numbers of 6-, 8-, 12- and 16-row blocks
+TILE_CANDIDATES = (32, 48, 64, 96, 16)
+TILE_ROWS = TILE_CANDIDATES[0]  # the usual choice (a GEMM's tile where `choose_tile` keeps the first)
 
 
 def enabled() -> bool:
@@ -49,40 +54,42 @@ def enabled() -> bool:
     return torch.are_deterministic_algorithms_enabled()
 
 
-def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], upcast: bool) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` computed in GEMMs of exactly TILE_ROWS rows.
+def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], upcast: bool,
+                 rows: int = TILE_ROWS) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` computed in GEMMs of exactly `rows` rows.
     x: [..., K]; weight: [N, K]; returns [..., N] in x's dtype."""
     lead, k = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, k)  # [M, K]
     m = flat.shape[0]
-    pad = (-m) % TILE_ROWS
+    pad = (-m) % rows
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad, k)])
     if upcast:
         flat, weight = flat.float(), weight.float()
         bias = None if bias is None else bias.float()
-    out = torch.cat([F.linear(tile, weight, bias) for tile in flat.split(TILE_ROWS)])[:m]  # [M, N]
+    out = torch.cat([F.linear(tile, weight, bias) for tile in flat.split(rows)])[:m]  # [M, N]
     return out.to(x.dtype).reshape(*lead, -1)
 
 
 class _TiledLinear(TorchFunctionMode):
-    def __init__(self, upcast: bool) -> None:
+    def __init__(self, upcast: bool, rows: int) -> None:
         super().__init__()
-        self.upcast = upcast
+        self.upcast, self.rows = upcast, rows
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear:
             x, w = args[0], args[1]
             b = args[2] if len(args) > 2 else kwargs.get("bias")
-            return tiled_linear(x, w, b, self.upcast and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16)
+            upcast = self.upcast and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
+            return tiled_linear(x, w, b, upcast, self.rows)
         return func(*args, **kwargs)
 
 
 @contextlib.contextmanager
-def tiles(upcast: bool) -> Iterator[None]:
-    """Within this context every `F.linear` runs in TILE_ROWS-row tiles (upcast: in float32)."""
-    with _TiledLinear(upcast):
+def tiles(upcast: bool, rows: int = TILE_ROWS) -> Iterator[None]:
+    """Within this context every `F.linear` runs in `rows`-row tiles (upcast: in float32)."""
+    with _TiledLinear(upcast, rows):
         yield
 
 
@@ -95,40 +102,55 @@ def linear_tiles(model: torch.nn.Module):
     from kvflow.backends.hf.matmul import fp32_min_tokens
 
     upcast = fp32_min_tokens(model) is not None
-    check_tiles(model, upcast)
-    return tiles(upcast)
+    return tiles(upcast, choose_tile(model, upcast))
 
 
-_CHECKED: set = set()
+_CHOSEN: dict = {}  # (weight shapes, dtype, device, upcast, torch) -> the tile rows kept
+
+
+def choose_tile(model: torch.nn.Module, upcast: bool) -> int:
+    """The first of TILE_CANDIDATES under which every linear weight shape of `model` treats a
+    row alike wherever it sits (`rows_alike`); a UserError naming run.deterministic where none
+    does (batch-invariant forwards cannot hold on this device and kernel). Once per model shape."""
+    device = next(model.parameters()).device
+    weights = sorted({(tuple(m.weight.shape), m.weight.dtype) for m in model.modules()
+                      if isinstance(m, torch.nn.Linear) and getattr(m, "weight", None) is not None}, key=str)
+    key = (tuple(weights), str(device), upcast, torch.__version__)
+    if key not in _CHOSEN:
+        linears = {}
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear) and getattr(m, "weight", None) is not None:
+                linears.setdefault((tuple(m.weight.shape), m.weight.dtype), m.weight)
+        rows = next((t for t in TILE_CANDIDATES if all(rows_alike(w, t, upcast) for w in linears.values())), None)
+        if rows is None:
+            raise UserError(
+                f"run.deterministic: on {device} with torch {torch.__version__}, this model's matrix multiplies "
+                f"give a row different bits at another place of a same-shaped call for every tile of "
+                f"{', '.join(map(str, TILE_CANDIDATES))} rows, so kvflow cannot make its forward batch-invariant here",
+                "unset run.deterministic, or run in float32 (models.<key>.dtype: float32) and try again")
+        _CHOSEN[key] = rows
+    return _CHOSEN[key]
 
 
 @torch.inference_mode()
-def check_tiles(model: torch.nn.Module, upcast: bool) -> None:
-    """Tripwire: each distinct linear weight shape of `model`, one row computed at two places of
-    two tiles with other neighbours, must give the same bits; else batch-invariant mode cannot
-    hold on this device and kernel, and the run stops (UserError naming run.deterministic)."""
-    device = next(model.parameters()).device
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if not isinstance(module, torch.nn.Linear) or weight is None:
-            continue
-        key = (tuple(weight.shape), weight.dtype, str(device), upcast, torch.__version__)
-        if key in _CHECKED:
-            continue
-        gen = torch.Generator(device="cpu").manual_seed(0)
-        x = torch.randn(2 * TILE_ROWS, weight.shape[1], generator=gen).to(device, weight.dtype)
-        w = weight if not upcast else weight.float()
-        first = F.linear(x[:TILE_ROWS].float() if upcast else x[:TILE_ROWS], w)[0]
-        moved = x[TILE_ROWS:].clone()
-        moved[TILE_ROWS - 1] = x[0]
-        second = F.linear(moved.float() if upcast else moved, w)[TILE_ROWS - 1]
-        if not torch.equal(first, second):
-            raise UserError(
-                f"run.deterministic: on {device} with torch {torch.__version__}, a matrix multiply of "
-                f"{tuple(weight.shape)} {weight.dtype} weights gives a row different bits at another place of "
-                f"the same-shaped call, so kvflow cannot make this model's forward batch-invariant here",
-                "unset run.deterministic, or run in float32 (models.<key>.dtype: float32) and try again")
-        _CHECKED.add(key)
+def rows_alike(weight: torch.Tensor, rows: int, upcast: bool) -> bool:
+    """Whether one row multiplied by `weight` in a GEMM of `rows` rows gets the same bits at
+    the first place of one call and at the middle and last places of two others, among other
+    rows (random, seeded)."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(3 * rows, weight.shape[1], generator=gen).to(weight.device, weight.dtype)
+    w = weight.float() if upcast else weight
+
+    def product(t: torch.Tensor) -> torch.Tensor:
+        return F.linear(t.float() if upcast else t, w)
+
+    first = product(x[:rows])[0]
+    for place, block in ((rows // 2, x[rows : 2 * rows]), (rows - 1, x[2 * rows :])):
+        moved = block.clone()
+        moved[place] = x[0]
+        if not torch.equal(product(moved)[place], first):
+            return False
+    return True
 
 
 def attend_rows(attention: Callable, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
