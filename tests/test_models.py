@@ -255,6 +255,7 @@ def test_real_pull_load_and_generate(real_cache):
     from kvflow.config.schema import ModelConfig
     from kvflow.models.loading import clear_model_cache, load_model
 
+    clear_model_cache()  # another test of this process may hold this checkpoint loaded from another cache
     path = pull(SMOL)
     assert path.is_file() and path.stat().st_size == get_entry(SMOL).size
     stamp = path.parent / "hf-bfloat16" / "kvflow-converted.json"
@@ -311,9 +312,11 @@ def test_models_path_prints_the_converted_checkpoint_a_tool_outside_kvflow_loads
     into (what lm-eval's `tokenizer=` needs); an unknown name or dtype: exit 2 with a suggestion."""
     import transformers
 
+    import re
+
     result = cli("models", "path", "smollm2-135m-instruct")
     assert result.exit_code == 0, result.output
-    path = Path(result.output.strip().splitlines()[-1])
+    path = Path(re.search(r"(/\S*hf-bfloat16)\s*$", result.output).group(1))  # after any progress bar (stderr)
     assert path.name == "hf-bfloat16" and (path / "config.json").is_file()
     assert transformers.AutoTokenizer.from_pretrained(path).chat_template
     unknown = cli("models", "path", "smollm2")
