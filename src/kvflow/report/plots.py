@@ -24,8 +24,16 @@ def _plt():
 
 
 def _colors(plt, n: int) -> list:
+    """n colours, none repeated up to 20 (the default cycle has 10: a leaderboard's 16 evictors
+    would share them), then cycling."""
     cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    if n > len(cycle):
+        cmap = plt.get_cmap("tab20")
+        cycle = [cmap(i) for i in range(cmap.N)]
     return [cycle[i % len(cycle)] for i in range(n)]
+
+
+MARKERS = "osD^vP<X>*"  # one per series, in turn: series whose colours are close differ in shape
 
 
 def _wrap(label: str, width: int = 48) -> str:
@@ -63,16 +71,17 @@ def accuracy_vs_budget(runs: Sequence[Run], path: Path, names: Optional[SeriesNa
     fig, ax = plt.subplots(figsize=(7, 4.5))
     series = sorted({(names.series(r), r.n) for r in evicted})
     colors = _colors(plt, len(series) + len(full))
-    for (method, n), c in zip(series, colors):
+    for i, ((method, n), c) in enumerate(zip(series, colors)):
         sel = sorted((r for r in evicted if names.series(r) == method and r.n == n), key=lambda r: r.budget)
-        ax.plot([r.budget for r in sel], [r.metrics["accuracy"] * 100 for r in sel], "-o", color=c,
-                label=_wrap(f"{method}, N={n}"))
+        ax.plot([r.budget for r in sel], [r.metrics["accuracy"] * 100 for r in sel], "-" + MARKERS[i % len(MARKERS)],
+                color=c, label=_wrap(f"{method}, N={n}"))
         for r in sel:
             if not r.complete:  # a point on a few problems must not pass for a finished run
                 ax.plot([r.budget], [r.metrics["accuracy"] * 100], "o", color="white", markeredgecolor=c, zorder=3)
                 ax.annotate(_unfinished(r), (r.budget, r.metrics["accuracy"] * 100), fontsize=7, color=c,
                             textcoords="offset points", xytext=(4, 4))
-    for r, c in zip(full, colors[len(series):]):
+    full_colors = ["black"] if len(full) == 1 else colors[len(series):]  # one full KV: the reference, in black
+    for r, c in zip(full, full_colors):
         ax.axhline(r.metrics["accuracy"] * 100, linestyle="--", color=c,
                    label=_wrap(f"{names.variant(r)} (full KV), N={r.n}"
                                + ("" if r.complete else f", {_unfinished(r)}")))
