@@ -211,7 +211,11 @@ def serve_levels(path: Path, name: str, messages, levels, soak: int, client_proc
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(Path(tempfile.gettempdir()) / f"kvflow-serve-bench-{port}.log", "w")
-    proc = subprocess.Popen([*KVFLOW, "serve", str(path), "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    record = Path(tempfile.mkdtemp(prefix="kvflow-serve-bench-record-"))
+    # --record: each answered request's record has its server-side seconds (arrival to its
+    # trajectory's end), set against the clients' own times (the HTTP path and the clients)
+    proc = subprocess.Popen([*KVFLOW, "serve", str(path), "--port", str(port), "--record", str(record)],
+                            stdout=log, stderr=subprocess.STDOUT)
     try:
         for _ in range(600):
             try:
@@ -233,12 +237,16 @@ def serve_levels(path: Path, name: str, messages, levels, soak: int, client_proc
             else:
                 results, client_cpu, wall = clients(url, name, c, messages)
             server_cpu = cpu_delta(server_before, thread_cpu(proc.pid))
+            time.sleep(0.5)  # a record is appended once its trajectory is released, maybe a step after its answer
+            lines = (record / "samples.jsonl").read_text().splitlines() if (record / "samples.jsonl").exists() else []
+            server_done = [json.loads(x)["seconds"] for x in lines[-len(results):]]
             out.append({"concurrency": c, "problems": len(results), "wall_s": round(wall, 3),
                         "problems_per_min": round(60 * len(results) / wall, 2),
                         "first_step_p50_s": pct([r[0] for r in results], 0.5),
                         "first_step_p95_s": pct([r[0] for r in results], 0.95),
                         "done_p50_s": pct([r[1] for r in results], 0.5),
                         "done_p95_s": pct([r[1] for r in results], 0.95),
+                        "server_done_p50_s": pct(server_done, 0.5), "server_done_p95_s": pct(server_done, 0.95),
                         "server_cpu_s": server_cpu, "clients_cpu_s": round(client_cpu, 2),
                         "clients": "process" if client_process else "bench threads"})
             print(json.dumps(out[-1]), file=sys.stderr, flush=True)
