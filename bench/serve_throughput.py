@@ -198,14 +198,36 @@ def clients(url: str, name: str, c: int, messages) -> tuple[list, float, float]:
 
 
 def clients_main(spec: str) -> None:
-    """`--clients-for SPEC`: the client process (SPEC: a JSON file {url, name, c, messages});
-    prints {"results", "cpu_s"}."""
+    """`--clients-for SPEC`: a client process (SPEC: a JSON file {url, name, c, messages, and
+    with `start_at`, the wall-clock time to start at}); prints {"results", "cpu_s", "wall_s",
+    "end_at"}."""
     job = json.loads(Path(spec).read_text())
+    import httpx  # noqa: F401 - imported before the start, not in the measured time
+
+    if job.get("start_at"):
+        time.sleep(max(0.0, job["start_at"] - time.time()))
     results, cpu, wall = clients(job["url"], job["name"], job["c"], job["messages"])
-    print(json.dumps({"results": results, "cpu_s": cpu, "wall_s": wall}))
+    print(json.dumps({"results": results, "cpu_s": cpu, "wall_s": wall, "end_at": time.time()}))
 
 
-def serve_levels(path: Path, name: str, messages, levels, soak: int, client_process: bool = True) -> tuple[list, dict]:
+def client_processes(url: str, name: str, c: int, messages, port: int) -> tuple[list, float, float]:
+    """c client processes of one streaming client each (no client shares a GIL with another),
+    started together once all have imported: results, their CPU, the wall from the start to
+    the last answer."""
+    start_at = time.time() + 3.0 + 0.25 * c
+    procs = []
+    for i in range(c):
+        spec = Path(tempfile.gettempdir()) / f"kvflow-serve-bench-clients-{port}-{i}.json"
+        spec.write_text(json.dumps({"url": url, "name": name, "c": 1, "messages": messages[i::c],
+                                    "start_at": start_at}))
+        procs.append(subprocess.Popen([sys.executable, __file__, "--clients-for", str(spec)], stdout=subprocess.PIPE,
+                                      text=True))
+    answers = [json.loads(pr.communicate()[0].strip().splitlines()[-1]) for pr in procs]
+    return ([r for a in answers for r in a["results"]], sum(a["cpu_s"] for a in answers),
+            max(a["end_at"] for a in answers) - start_at)
+
+
+def serve_levels(path: Path, name: str, messages, levels, soak: int, client_process="process") -> tuple[list, dict]:
     import httpx
 
     port = free_port()
@@ -227,7 +249,9 @@ def serve_levels(path: Path, name: str, messages, levels, soak: int, client_proc
         out = []
         for c in levels:
             server_before = thread_cpu(proc.pid)
-            if client_process:  # the clients in a process of their own: not on the bench's GIL
+            if client_process == "processes":  # one process per client: no client shares a GIL
+                results, client_cpu, wall = client_processes(url, name, c, messages, port)
+            elif client_process:  # the clients in a process of their own: not on the bench's GIL
                 spec = Path(tempfile.gettempdir()) / f"kvflow-serve-bench-clients-{port}.json"
                 spec.write_text(json.dumps({"url": url, "name": name, "c": c, "messages": messages}))
                 done = subprocess.run([sys.executable, __file__, "--clients-for", str(spec)], capture_output=True,
@@ -248,7 +272,8 @@ def serve_levels(path: Path, name: str, messages, levels, soak: int, client_proc
                         "done_p95_s": pct([r[1] for r in results], 0.95),
                         "server_done_p50_s": pct(server_done, 0.5), "server_done_p95_s": pct(server_done, 0.95),
                         "server_cpu_s": server_cpu, "clients_cpu_s": round(client_cpu, 2),
-                        "clients": "process" if client_process else "bench threads"})
+                        "clients": {"process": "one process", "processes": "a process each"}.get(client_process,
+                                                                                                   "bench threads")})
             print(json.dumps(out[-1]), file=sys.stderr, flush=True)
         soaked = {}
         if soak:
@@ -308,8 +333,9 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--soak", type=int, default=0, help="requests of the memory/rows soak (0: none)")
     ap.add_argument("--out", type=Path, default=Path("docs/results/bench/serve_throughput.json"))
-    ap.add_argument("--clients", choices=("process", "threads"), default="process",
-                    help="run the clients in a process of their own (default) or as threads of this one")
+    ap.add_argument("--clients", choices=("process", "processes", "threads"), default="process",
+                    help="run the clients as threads of a process of their own (default), one process each, or "
+                         "as threads of this one")
     ap.add_argument("--clients-for", help=argparse.SUPPRESS)  # the client process (internal)
     args = ap.parse_args()
     if args.clients_for:
@@ -330,7 +356,8 @@ def main() -> None:
         for c in concurrency:
             same_live[c] = run_baseline(path, args.problems, live=c)[0]
             print(json.dumps({"run_live": same_live[c]}), file=sys.stderr, flush=True)
-        levels, soak = serve_levels(path, name, messages, concurrency, args.soak, args.clients == "process")
+        levels, soak = serve_levels(path, name, messages, concurrency, args.soak,
+                                    False if args.clients == "threads" else args.clients)
     for lv in levels:
         lv["vs_run"] = round(lv["problems_per_min"] / run["problems_per_min"], 3)
         lv["run_same_live"] = same_live[lv["concurrency"]]
