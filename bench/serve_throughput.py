@@ -148,6 +148,17 @@ def stream_one(httpx, url: str, name: str, seed: int, messages, cancel: bool = F
     return first if first is not None else time.perf_counter() - t0, time.perf_counter() - t0
 
 
+def server_clock(httpx, url: str) -> dict[str, float]:
+    """The server's own latency histograms' sums and counts (/metrics): from a request's arrival
+    in the app to its first step sent, and to its answer's end."""
+    out = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        for name in ("kvflow_time_to_first_step_seconds", "kvflow_request_seconds"):
+            if line.startswith(name + "_sum") or line.startswith(name + "_count"):
+                out[line.split()[0]] = float(line.split()[1])
+    return out
+
+
 def thread_cpu(pid: int) -> dict[str, float]:
     """CPU seconds (user + system) of a process's threads: `main` (the server's HTTP event loop,
     uvicorn's, on the main thread) and each other thread by its id (Python does not name OS
@@ -248,7 +259,7 @@ def serve_levels(path: Path, name: str, messages, levels, soak: int, client_proc
         stream_one(httpx, url, name, 10**6, messages[0][1])  # warm-up, as the run's
         out = []
         for c in levels:
-            server_before = thread_cpu(proc.pid)
+            server_before, clock_before = thread_cpu(proc.pid), server_clock(httpx, url)
             if client_process == "processes":  # one process per client: no client shares a GIL
                 results, client_cpu, wall = client_processes(url, name, c, messages, port)
             elif client_process:  # the clients in a process of their own: not on the bench's GIL
@@ -261,6 +272,8 @@ def serve_levels(path: Path, name: str, messages, levels, soak: int, client_proc
             else:
                 results, client_cpu, wall = clients(url, name, c, messages)
             server_cpu = cpu_delta(server_before, thread_cpu(proc.pid))
+            clock = {k: v - clock_before.get(k, 0.0) for k, v in server_clock(httpx, url).items()}
+            answered = clock.get("kvflow_request_seconds_count") or 1
             time.sleep(0.5)  # a record is appended once its trajectory is released, maybe a step after its answer
             lines = (record / "samples.jsonl").read_text().splitlines() if (record / "samples.jsonl").exists() else []
             server_done = [json.loads(x)["seconds"] for x in lines[-len(results):]]
@@ -271,6 +284,10 @@ def serve_levels(path: Path, name: str, messages, levels, soak: int, client_proc
                         "done_p50_s": pct([r[1] for r in results], 0.5),
                         "done_p95_s": pct([r[1] for r in results], 0.95),
                         "server_done_p50_s": pct(server_done, 0.5), "server_done_p95_s": pct(server_done, 0.95),
+                        "client_first_step_mean_s": round(sum(r[0] for r in results) / len(results), 3),
+                        "server_first_step_mean_s": round(clock.get("kvflow_time_to_first_step_seconds_sum", 0) / answered, 3),
+                        "client_done_mean_s": round(sum(r[1] for r in results) / len(results), 3),
+                        "server_done_mean_s": round(clock.get("kvflow_request_seconds_sum", 0) / answered, 3),
                         "server_cpu_s": server_cpu, "clients_cpu_s": round(client_cpu, 2),
                         "clients": {"process": "one process", "processes": "a process each"}.get(client_process,
                                                                                                    "bench threads")})
