@@ -239,8 +239,6 @@ async def _complete(service: Service, request: Request, parse) -> Any:
                        code="context_length_exceeded")
     job = Job(req, prompt, n, asyncio.get_running_loop(), question)
     service.loop.submit(job)
-    if req.seed is not None and question in service.loop.problem_ids:  # serve.seed_by: dataset seeded it
-        req.ignored = sorted({*req.ignored, "seed"})
     created = now()
     headers = {"X-Request-Id": job.rid}
     if req.clamped_from is not None:

@@ -136,6 +136,8 @@ class Loop:
                                     f"waiting, serve.queue); retry later", code="queue_full")
             if job.question in self.problem_ids:  # serve.seed_by: dataset, a question of the dataset
                 job.seed_key = self.problem_ids[job.question]
+                if job.req.seed is not None:  # its own seed is not honoured: the answer says so
+                    job.req.ignored = sorted({*job.req.ignored, "seed"})
             elif job.req.seed is not None:  # seeded as `kvflow run` seeds the problem `<dataset.name>/<seed>`
                 job.seed_key = f"{self.session.loaded.pipeline.dataset.name}/{job.req.seed}"
             self.queue.append(job)

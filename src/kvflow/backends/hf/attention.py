@@ -37,10 +37,7 @@ def kvflow_attention(module, query, key, value, attention_mask, **kwargs):
         if cache.query_window:
             cache.layers[module.layer_idx].record_queries(query)
         if cache.observes:  # e.g. H2O: the attention every cached key receives from the new queries
-            scaling = kwargs.get("scaling")
-            if scaling is None:
-                scaling = getattr(module, "scaling", None) or query.shape[-1] ** -0.5
-            cache.layers[module.layer_idx].observe(query, key, scaling, module.layer_idx)
+            cache.layers[module.layer_idx].observe(query, key, _scaling(module, query, kwargs), module.layer_idx)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 

@@ -74,6 +74,14 @@ def _take(t: torch.Tensor, rows: torch.Tensor, run: Optional[tuple[int, int]]) -
     return t[run[0] : run[1]].clone() if run is not None else t.index_select(0, rows)
 
 
+def _per_query_head(mask: torch.Tensor, q_heads: int) -> torch.Tensor:
+    """A mask [rows, kv_heads, T, span] per KV head as one per query head; [rows, 1 or q_heads,
+    T, span] as it is."""
+    if mask.shape[1] in (1, q_heads):
+        return mask
+    return mask.repeat_interleave(q_heads // mask.shape[1], dim=1)
+
+
 def _pad_rows(t: torch.Tensor, n: int) -> torch.Tensor:
     """t with zero rows appended up to n rows (dim 0)."""
     out = t.new_zeros(n, *t.shape[1:])
@@ -259,9 +267,7 @@ class BudgetedCache(LayerAllocation, Cache):
     def attention_mask(self, layer_idx: int, q_heads: int) -> Optional[torch.Tensor]:
         """The mask of one layer's attention: [rows, 1 or q_heads, T, span] bool, or None."""
         mask = self.plan(layer_idx).mask
-        if mask is not None and mask.shape[1] not in (1, q_heads):  # per KV head -> per query head
-            mask = mask.repeat_interleave(q_heads // mask.shape[1], dim=1)
-        return mask
+        return None if mask is None else _per_query_head(mask, q_heads)
 
     def row_extents(self, layer_idx: int, q_heads: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """For batch-invariant attention (`kvflow.backends.hf.invariant`) in the current forward:
@@ -274,13 +280,10 @@ class BudgetedCache(LayerAllocation, Cache):
 
             mask = plan.mask
             if mask is None:
-                width = plan.slots.shape[1]
-                mask = causal_mask(self.rows.lengths, self._step_lens, width, plan.span).to(self.device)
-            found = self._extents[id(plan)] = (self._step_lens, mask, key_ends(mask, self._step_lens))
-        queries, mask, ends = found
-        if mask.shape[1] not in (1, q_heads):  # per KV head -> per query head
-            mask = mask.repeat_interleave(q_heads // mask.shape[1], dim=1)
-        return queries, mask, ends
+                mask = causal_mask(self.rows.lengths, self._step_lens, plan.slots.shape[1], plan.span).to(self.device)
+            found = self._extents[id(plan)] = (mask, key_ends(mask, self._step_lens))
+        mask, ends = found
+        return self._step_lens, _per_query_head(mask, q_heads), ends
 
     def head_lengths(self, layer_idx: int) -> torch.Tensor:
         """[rows, kv_heads] int64 (host): tokens each head of the layer holds per row."""

@@ -216,8 +216,7 @@ class DecodeBatch(Cache):
         part order); attention: the sdpa forward; returns ([L, 1, q_heads, D], None)."""
         layer_idx = module.layer_idx
         scaling = kwargs.get("scaling") or getattr(module, "scaling", None) or query.shape[-1] ** -0.5
-        if invariant.enabled():
-            return self._attend_rows(attention, module, query, key, value, **kwargs), None
+        by_row = invariant.enabled()  # batch-invariant mode: each live row over its own keys
         outs = []
         for part, q, k, v in zip(self.parts, query.split(self.counts), key.split(self.counts),
                                  value.split(self.counts)):
@@ -228,6 +227,13 @@ class DecodeBatch(Cache):
             keys, values = layer.update(k, v)  # [rows, kv_heads, span, D]
             if cache.query_window:
                 layer.record_queries(q)
+            if by_row:  # kvflow.backends.hf.invariant: a boolean mask, the row's own span
+                queries, mask, ends = cache.row_extents(layer_idx, q.shape[1])
+                if cache.observes:
+                    invariant.observe_rows(cache, layer_idx, q, keys, queries, ends, scaling)
+                out = invariant.attend_rows(attention, module, q, keys, values, queries, mask, ends, **kwargs)
+                outs.append(out if part.full else out.index_select(0, live))
+                continue
             if cache.observes:
                 layer.observe(q, keys, scaling, layer_idx)
             if part.gather is not None:  # few live rows: attend over copies of theirs (up to their longest)
@@ -238,28 +244,6 @@ class DecodeBatch(Cache):
             out, _ = attention(module, q, keys, values, part.mask(layer_idx, q), **kwargs)  # [rows, 1, heads, D]
             outs.append(out if part.full else out.index_select(0, live))
         return torch.cat(outs) if len(outs) > 1 else outs[0], None
-
-    def _attend_rows(self, attention, module, query, key, value, **kwargs):
-        """`attend` in batch-invariant mode (`kvflow.backends.hf.invariant`): each live row over
-        its own keys, with a boolean mask, whatever the other rows of its part and step."""
-        layer_idx = module.layer_idx
-        scaling = kwargs.get("scaling") or getattr(module, "scaling", None) or query.shape[-1] ** -0.5
-        outs = []
-        for part, q, k, v in zip(self.parts, query.split(self.counts), key.split(self.counts),
-                                 value.split(self.counts)):
-            cache, live = part.cache, part.live
-            if not part.full:
-                q, k, v = (x.new_zeros(cache.n_rows, *x.shape[1:]).index_copy_(0, live, x) for x in (q, k, v))
-            layer = cache.layers[layer_idx]
-            keys, values = layer.update(k, v)  # [rows, kv_heads, span, D]
-            queries, mask, ends = cache.row_extents(layer_idx, q.shape[1])
-            if cache.query_window:
-                layer.record_queries(q)
-            if cache.observes:
-                invariant.observe_rows(cache, layer_idx, q, keys, queries, ends, scaling)
-            out = invariant.attend_rows(attention, module, q, keys, values, queries, mask, ends, **kwargs)
-            outs.append(out if part.full else out.index_select(0, live))
-        return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def end_forward(self) -> None:
         for part in self.parts:

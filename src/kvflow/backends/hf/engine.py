@@ -57,9 +57,7 @@ class HFRunner:
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head's logits [..., vocab] float32 of final hidden states [..., hidden]: as
         they come in the default mode, in tiles in batch-invariant mode."""
-        if not invariant.enabled():
-            return self.lm_head(hidden).float()
-        with self.upcast(hidden.shape[0]):
+        with invariant.linear_tiles(self.model):  # a null context in the default mode
             return self.lm_head(hidden).float()
 
     def kv_shape(self) -> tuple[int, int, int, int]:

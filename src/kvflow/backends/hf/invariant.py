@@ -32,6 +32,7 @@ than `TILE_ROWS` rows pays for `TILE_ROWS` (docs/benchmarks.md#batch-invariant-h
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -95,16 +96,21 @@ def tiles(upcast: bool, rows: int = TILE_ROWS) -> Iterator[None]:
 
 def linear_tiles(model: torch.nn.Module):
     """The context a forward of `model` runs its linear layers under in batch-invariant mode:
-    tiles (float32 where this CPU computes bf16 in float32, kvflow.backends.hf.matmul), after
-    `check_tiles`; a null context when the mode is off."""
+    tiles of `choose_tile`'s rows (float32 where this CPU computes bf16 in float32,
+    kvflow.backends.hf.matmul), both decided at the model's first forward; a null context when
+    the mode is off."""
     if not enabled():
         return contextlib.nullcontext()
-    from kvflow.backends.hf.matmul import fp32_min_tokens
+    found = _TILES.get(model)
+    if found is None:
+        from kvflow.backends.hf.matmul import fp32_min_tokens
 
-    upcast = fp32_min_tokens(model) is not None
-    return tiles(upcast, choose_tile(model, upcast))
+        upcast = fp32_min_tokens(model) is not None
+        found = _TILES[model] = (upcast, choose_tile(model, upcast))
+    return tiles(*found)
 
 
+_TILES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> (upcast, tile rows)
 _CHOSEN: dict = {}  # (weight shapes, dtype, device, upcast, torch) -> the tile rows kept
 
 
@@ -113,14 +119,12 @@ def choose_tile(model: torch.nn.Module, upcast: bool) -> int:
     row alike wherever it sits (`rows_alike`); a UserError naming run.deterministic where none
     does (batch-invariant forwards cannot hold on this device and kernel). Once per model shape."""
     device = next(model.parameters()).device
-    weights = sorted({(tuple(m.weight.shape), m.weight.dtype) for m in model.modules()
-                      if isinstance(m, torch.nn.Linear) and getattr(m, "weight", None) is not None}, key=str)
-    key = (tuple(weights), str(device), upcast, torch.__version__)
+    linears: dict = {}  # (shape, dtype) -> one weight of it
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear) and getattr(m, "weight", None) is not None:
+            linears.setdefault((tuple(m.weight.shape), m.weight.dtype), m.weight)
+    key = (tuple(sorted(linears, key=str)), str(device), upcast, torch.__version__)
     if key not in _CHOSEN:
-        linears = {}
-        for m in model.modules():
-            if isinstance(m, torch.nn.Linear) and getattr(m, "weight", None) is not None:
-                linears.setdefault((tuple(m.weight.shape), m.weight.dtype), m.weight)
         rows = next((t for t in TILE_CANDIDATES if all(rows_alike(w, t, upcast) for w in linears.values())), None)
         if rows is None:
             raise UserError(
@@ -190,15 +194,12 @@ def key_ends(mask: torch.Tensor, queries: torch.Tensor) -> list[int]:
     """Per row, 1 + the last slot its last real query attends (0 for a row with no query): where
     the row's keys end, whatever the span of its batch.
     mask: [rows, heads or 1, T, span] bool; queries: [rows] int64 (host)."""
-    ends = []
-    for r in range(mask.shape[0]):
-        t = int(queries[r])
-        if t == 0:
-            ends.append(0)
-            continue
-        seen = mask[r, :, t - 1].any(0).nonzero()
-        ends.append(int(seen.max()) + 1 if len(seen) else 0)
-    return ends
+    rows, span = mask.shape[0], mask.shape[-1]
+    last = (queries - 1).clamp(min=0).to(mask.device)  # [rows] each row's last real query
+    seen = mask[torch.arange(rows, device=mask.device), :, last].any(1)  # [rows, span]
+    slot = torch.arange(1, span + 1, device=mask.device)
+    ends = (seen * slot).amax(-1) if span else torch.zeros(rows, dtype=torch.long, device=mask.device)
+    return torch.where(queries.to(mask.device) > 0, ends, 0).tolist()  # one read of the device
 
 
 def causal_mask(lengths: torch.Tensor, queries: torch.Tensor, width: int, span: int) -> torch.Tensor:

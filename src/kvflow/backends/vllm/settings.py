@@ -26,14 +26,14 @@ PYTHON_ENV = "KVFLOW_VLLM_PYTHON"
 #: the vLLM versions kvflow's vllm backend was read from and tested with
 SUPPORTED_VERSIONS = ("0.32.0",)
 
-#: kvflow's own settings; the model entry's keys of the same meaning are used instead
-RESERVED = {"model": "id", "tokenizer": "tokenizer", "dtype": "dtype", "revision": "revision",
-            "trust_remote_code": "trust_remote_code", "skip_tokenizer_init": None, "device": "device",
-            "batch_invariant": "run.deterministic"}
-
 #: kvflow's own engine setting (not an `EngineArgs` field): `run.deterministic` on a GPU sets it,
 #: the worker's environment then has `VLLM_BATCH_INVARIANT=1` and the worker drops it from the arguments
 BATCH_INVARIANT = "batch_invariant"
+
+#: kvflow's own settings; the model entry's keys of the same meaning are used instead
+RESERVED = {"model": "id", "tokenizer": "tokenizer", "dtype": "dtype", "revision": "revision",
+            "trust_remote_code": "trust_remote_code", "skip_tokenizer_init": None, "device": "device",
+            BATCH_INVARIANT: "run.deterministic"}
 
 #: defaults on every device: the trajectory is a prefix every request of a problem shares
 #: (prefix caching), logprobs are the model's own at temperature 1 (`raw_logprobs`: kvflow's
