@@ -51,7 +51,7 @@ def main() -> None:
     from kvflow.config.validate import load_pipeline
     from kvflow.eval.datasets import Problem
     from kvflow.registry import get_registry
-    from kvflow.runtime.results import ResultsDir
+    from kvflow.results.files import ResultsDir
     from kvflow.testing import tiny_pipeline
 
     ap = argparse.ArgumentParser()

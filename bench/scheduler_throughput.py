@@ -80,7 +80,7 @@ def main():
     from kvflow.components.engine import SamplingSpec
     from kvflow.config.schema import LimitsConfig
     from kvflow.registry import Registry
-    from kvflow.runtime.results import timing_summary
+    from kvflow.results.files import timing_summary
     from kvflow.runtime.scheduler import Occupancy, Plan, Proposer, run
     from kvflow.testing import tiny_tokenizer
 

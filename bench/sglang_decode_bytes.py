@@ -5,7 +5,7 @@ shape (Qwen2.5-7B; 1.5B; 72B per rank at tp 4) and batch, the bytes `graph.decod
 reads and writes in one decode step (all layers), and the ratio to one pass of SGLang's own
 decode attention over the same rows (each row's keys and values read once). With
 `--old-src DIR` it also counts the hook of another checkout (a `git worktree` of an older
-commit: `DIR/src/kvflow/backends/sglang/graph.py`), which had one shape for every evictor.
+commit: `DIR/src/kvflow/backends/sglang/in_worker/graph.py`), which had one shape for every evictor.
 
     python bench/sglang_decode_bytes.py [--old-src /tmp/kvflow-old] [--json out.json]
     python bench/sglang_decode_bytes.py --wall [--old-src DIR]   # CPU wall per decode step too
@@ -25,8 +25,8 @@ import sys
 
 import torch
 
-from kvflow.backends.sglang.graph import Profile, row_width
-from kvflow.backends.sglang.traffic import ByteCounter, attention_pass_bytes, hook_bytes
+from kvflow.backends.sglang.in_worker.graph import Profile, row_width
+from kvflow.backends.sglang.in_worker.traffic import ByteCounter, attention_pass_bytes, hook_bytes
 
 SHAPES = {"qwen2.5-7b": (28, 28, 4, 128), "qwen2.5-1.5b": (28, 12, 2, 128), "qwen2.5-72b-tp4": (80, 16, 2, 128)}
 EVICTORS = ("rkv", "snapkv", "h2o", "ada-snapkv")
@@ -34,7 +34,7 @@ EVICTORS = ("rkv", "snapkv", "h2o", "ada-snapkv")
 
 def old_hook_bytes(path: str, *, batch, seq_len, q_heads, kv_heads, head_dim, layers) -> int:
     """One layer of an older checkout's `decode_step` (one fixed shape for every evictor)."""
-    spec = importlib.util.spec_from_file_location("kvflow_old_graph", f"{path}/src/kvflow/backends/sglang/graph.py")
+    spec = importlib.util.spec_from_file_location("kvflow_old_graph", f"{path}/src/kvflow/backends/sglang/in_worker/graph.py")
     old = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(old)
     meta = torch.device("meta")
@@ -82,12 +82,12 @@ def _wall_step(graph_mod, tables, *, batch, seq_len, q_heads, kv_heads, head_dim
 
 
 def wall(args, reg) -> list:
-    from kvflow.backends.sglang import graph
+    from kvflow.backends.sglang.in_worker import graph
 
     layers, q_heads, kv_heads, d, batch = 24, 14, 2, 64, 64
     old = None
     if args.old_src:
-        spec = importlib.util.spec_from_file_location("kvflow_old_graph", f"{args.old_src}/src/kvflow/backends/sglang/graph.py")
+        spec = importlib.util.spec_from_file_location("kvflow_old_graph", f"{args.old_src}/src/kvflow/backends/sglang/in_worker/graph.py")
         old = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(old)
     rows = []

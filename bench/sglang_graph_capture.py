@@ -33,7 +33,7 @@ def main() -> int:
     if not args.cpu and not torch.cuda.is_available():
         print(json.dumps({"skipped": "no CUDA device"}))
         return 0
-    from kvflow.backends.sglang import graph
+    from kvflow.backends.sglang.in_worker import graph
 
     dev, dtype = torch.device("cpu" if args.cpu else "cuda"), torch.bfloat16
     layers, q_heads, kv_heads, d, bs = args.layers, 28, 4, 128, args.bs

@@ -51,9 +51,9 @@ def main() -> None:
     import sglang_evicted  # noqa: E402 - the same scenario
     from sglang_engine import _cpu  # noqa: E402 - the same machine record
 
+    from kvflow.backends.base import backend_named
     from kvflow.config.schema import ModelConfig
     from kvflow.registry import get_registry
-    from kvflow.runtime.compile import load_engine
 
     threads = int(os.environ.get("OMP_NUM_THREADS", "2"))
     torch.set_num_threads(threads)
@@ -76,8 +76,8 @@ def main() -> None:
             for label, ev in ((args.evictor, evictor), ("full", full)):
                 cfg = ModelConfig(backend=backend, id=args.model, dtype=args.dtype, device="cpu", engine=settings)
                 evicting = label != "full"
-                engine = load_engine(reg.get("backends", backend), cfg, evicting=evicting,
-                                     evictors=[(type(ev), ev.params)] if evicting else [])
+                engine = backend_named(backend, reg).load(cfg, evicting=evicting,
+                                                   evictors=[(type(ev), ev.params)] if evicting else [])
                 try:
                     prompt = sglang_evicted._prompt(engine)
                     sglang_evicted._never_stop_at_eos(engine)
@@ -120,7 +120,7 @@ def _kv_bytes_per_token(model: str, dtype: str) -> int:
     from transformers import AutoConfig
 
     from kvflow.config.schema import ModelConfig
-    from kvflow.cost import shape_from_config
+    from kvflow.models.shapes import shape_from_config
     from kvflow.models.loading import model_directory
 
     path = model_directory(ModelConfig(id=model, dtype=dtype, device="cpu"))

@@ -199,7 +199,7 @@ def pytest_configure(config):
         # test starts get one thread each too, instead of two workers' worth of spinning threads
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     # every SGLang engine the tests start runs kvflow's decode hooks as a replayed CUDA graph
-    # would (captured once per batch size, replayed after: kvflow.backends.sglang.replay), so
+    # would (captured once per batch size, replayed after: kvflow.backends.sglang.in_worker.replay), so
     # that hooks a GPU's decode graphs would skip fail here (tests/test_sglang_replay.py)
     os.environ.setdefault("KVFLOW_SGLANG_REPLAY_PROXY", "1")
     config.addinivalue_line("markers", "slow: left out of the quick tier, `make test-fast` (see SLOW_FILES)")

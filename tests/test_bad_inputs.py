@@ -245,7 +245,7 @@ def test_disk_full_during_a_run_stops_cleanly_and_resumes(tmp_path, cli, monkeyp
     no partial line and no temp file; the same command afterwards finishes the run."""
     import builtins
 
-    from kvflow.runtime import results
+    from kvflow.results import files as results
 
     path = tiny_pipeline(tmp_path, problems=3, helper=False, max_tokens=16,
                          extra={"run": {"batch_problems": 1, "live_problems": 1}})
@@ -290,7 +290,7 @@ def test_disk_full_during_a_run_stops_cleanly_and_resumes(tmp_path, cli, monkeyp
 
 
 def test_a_failed_atomic_write_leaves_no_temp_file(tmp_path, monkeypatch):
-    from kvflow.runtime import results
+    from kvflow.results import files as results
 
     target = tmp_path / "metrics.json"
     target.write_text("{}")

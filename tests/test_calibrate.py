@@ -12,7 +12,7 @@ import yaml
 
 from kvflow.calibrate import analyse, calibrate, configured_thresholds, kind_of, valley_threshold
 from kvflow.errors import UserError
-from kvflow.runtime.results import ResultsDir
+from kvflow.results.files import ResultsDir
 
 RESOLVED = {"proposers": {"base": {"pruners": [{"kind": "entropy", "threshold": 2.5}, {"kind": "gzip", "threshold": 0.25},
                                                 {"kind": "gzip", "threshold": 0.1}]},

@@ -29,7 +29,7 @@ import os
 import pytest
 
 from kvflow.models.catalog import CATALOG, CatalogError, pull
-from kvflow.runtime.compile import load_engine
+from kvflow.backends.base import backend_named
 
 PROMPTS = [
     "What is 2 + 2? Answer with one number.",
@@ -94,9 +94,9 @@ def _assert_decodes_as_on_hf(name: str, backend: str, engine_settings: dict, evi
     del hf
     clear_model_cache()
     gc.collect()
-    loader = get_registry().get("backends", backend)
-    other = load_engine(loader, ModelConfig(backend=backend, id=f"catalog:{name}", dtype="float32", device="cpu",
-                                            engine=engine_settings), evicting=evicted)
+    loader = backend_named(backend)
+    other = loader.load(ModelConfig(backend=backend, id=f"catalog:{name}", dtype="float32", device="cpu",
+                                    engine=engine_settings), evicting=evicted)
     try:
         got = [_greedy(other, cache) for cache in caches]
         tok = other.tokenizer

@@ -7,8 +7,8 @@ import struct
 
 import pytest
 
-from kvflow.cost import (PRESETS, cost_rows, decode_flops, kv_bytes, kv_bytes_per_token, parse_lengths,
-                         resolve_shape, shape_from_config)
+from kvflow.cost import cost_rows, parse_lengths
+from kvflow.models.shapes import PRESETS, decode_flops, kv_bytes, kv_bytes_per_token, resolve_shape, shape_from_config
 from kvflow.errors import UserError
 
 M7, M72, M15 = PRESETS["qwen2.5-math-7b"], PRESETS["qwen2.5-math-72b"], PRESETS["qwen2.5-math-1.5b"]

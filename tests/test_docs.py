@@ -631,7 +631,7 @@ def test_plugins_page_evictor_example_works():
 
 def test_results_fields_are_documented(tmp_path):
     from kvflow.components.base import Step, Trajectory
-    from kvflow.runtime.results import compute_metrics
+    from kvflow.results.files import compute_metrics
     from kvflow.runtime.core import record as make_record
 
     traj = Trajectory("p1", "q?", "prompt", steps=[Step("a\n\n", "base", 0.5, 2, fallback=True)], finish="eos",

@@ -37,7 +37,7 @@ def test_doctors_sglang_check_passes_and_leaves_no_engine_behind(tmp_path):
     from conftest import require_sglang
 
     require_sglang()
-    from kvflow.backends.sglang.client import _SHARED
+    from kvflow.backends.served.worker import _SHARED
     from kvflow.testing.pipelines import tiny_model_dir
 
     directory = tiny_model_dir(tmp_path, "qwen2", seed=3)

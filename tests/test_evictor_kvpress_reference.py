@@ -282,7 +282,7 @@ def test_allocation_is_refused_where_it_cannot_apply():
     ({}, None),
 ])
 def test_the_rope_base_is_read_only_for_plain_rope(config, theta):
-    from kvflow.cost import rope_of
+    from kvflow.models.shapes import rope_of
 
     got, why = rope_of(config)
     assert got == theta and (bool(why) == (theta is None))

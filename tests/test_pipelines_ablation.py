@@ -17,7 +17,7 @@ from kvflow.config.loader import deep_merge, load_config
 from kvflow.config.validate import load_pipeline
 from kvflow.runtime.compile import build_plan
 from kvflow.runtime.scheduler import run as run_scheduler
-from kvflow.runtime.results import ResultsDir, compute_metrics
+from kvflow.results.files import ResultsDir, compute_metrics
 from kvflow.testing import propose_now, tiny_runner, tiny_tokenizer
 from kvflow_builtin.evictors.none import NoEviction
 from kvflow_builtin.evictors.random import RandomEvictor

@@ -80,7 +80,7 @@ def test_the_local_executor_logs_a_line_per_problem_with_accuracy_and_eta(tmp_pa
     """kvflow.runtime.local.decode with a stand-in Session (no model): each finished problem is
     appended and logged with the tally's figures when stderr is not a terminal."""
     from kvflow.runtime import local, session
-    from kvflow.runtime.results import ResultsDir, read_samples
+    from kvflow.results.files import ResultsDir, read_samples
 
     problems = [types.SimpleNamespace(id=f"p{i}", question="q", gold="1") for i in range(3)]
 

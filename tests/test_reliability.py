@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from kvflow.errors import UserError
-from kvflow.runtime.results import ResultsDir
+from kvflow.results.files import ResultsDir
 
 REPO = Path(__file__).resolve().parents[1]
 QUICK = REPO / "pipelines" / "quickstart.yaml"

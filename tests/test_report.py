@@ -13,7 +13,7 @@ import yaml
 
 from kvflow.errors import UserError
 from kvflow.report import load_runs, report_command
-from kvflow.report.runs import load_run, read_samples
+from kvflow.results.runs import load_run, read_samples
 
 IDS = [f"gsm8k/{i}" for i in range(10)]
 
@@ -53,7 +53,7 @@ def make_run(root: Path, name: str, correct: list[bool], *, evictor: str = "rkv"
             "finish": "cap_tokens" if cap[i] else "answer", "degenerate": bool(cap[i] and not ok), "seconds": 1.0})
     (path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     if metrics:
-        from kvflow.runtime.results import compute_metrics
+        from kvflow.results.files import compute_metrics
 
         (path / "metrics.json").write_text(json.dumps(compute_metrics(records, proposers, owners)))
     return path
@@ -253,7 +253,7 @@ def test_report_import_is_light():
 def test_budget_and_bits_of_a_byte_budget_run_come_from_the_manifest(tmp_path):
     """A `budget_bytes` run has no `budget` in its config: the report takes the converted token
     budget and the quantization bits from manifest.json `kv_memory`."""
-    from kvflow.report.runs import Run
+    from kvflow.results.runs import Run
 
     config = {"proposers": {"base": {"evictor": {"kind": "breadthkv", "budget_bytes": 786432}}}}
     manifest = {"kv_memory": {"base": {"budget": 152, "bits": 4}}}
@@ -280,7 +280,8 @@ def test_plot_marks_unfinished_runs(tmp_path, monkeypatch):
 
 
 def test_wilson_interval_and_paired_bootstrap_of_the_share_recovered():
-    from kvflow.report.tables import recovery_interval, wilson
+    from kvflow.report.tables import recovery_interval
+    from kvflow.results.stats import wilson
 
     # textbook Wilson 95% intervals
     assert wilson(0, 10) == pytest.approx((0.0, 0.2775), abs=1e-4)
@@ -336,7 +337,7 @@ def test_limit_reports_every_run_on_the_prefix_of_its_order(cli, tmp_path):
 
 def test_leaderboard_ranks_evictors_against_full_kv(tmp_path):
     from kvflow.report import build_tables, load_runs
-    from kvflow.report.tables import mcnemar_exact, wilson
+    from kvflow.results.stats import mcnemar_exact, wilson
 
     full = [True] * 6 + [False] * 2  # 6/8
     make_run(tmp_path, "lb_full", full, evictor="none", n=1, helper=False, pruners=False)
@@ -372,7 +373,7 @@ def test_no_leaderboard_without_a_full_kv_run(tmp_path):
 
 
 def test_a_wrapped_evictor_is_named_with_its_allocation(tmp_path):
-    from kvflow.report.runs import load_run
+    from kvflow.results.runs import load_run
 
     path = make_run(tmp_path, "w", [True], evictor="keydiff", n=1, helper=False, pruners=False)
     config = yaml.safe_load((path / "config.resolved.yaml").read_text())

@@ -9,7 +9,7 @@ import io
 from conftest import REPO
 from kvflow.report import build_tables
 from kvflow.report.labels import differing_paths, flatten, series_names, values_at
-from kvflow.report.runs import load_run
+from kvflow.results.runs import load_run
 
 GSM8K = REPO / "docs" / "results" / "repro" / "gsm8k"
 #: round 2's two KV-Rescue runs: base-likelihood scorer (32.8%) and helper-likelihood (26.6%)

@@ -55,7 +55,7 @@ def _sglang_workers(pid: int) -> list[int]:
     found = []
     for child in _descendants(pid):
         try:
-            if b"kvflow.backends.sglang.worker" in Path(f"/proc/{child}/cmdline").read_bytes():
+            if b"kvflow.backends.sglang.in_worker.worker" in Path(f"/proc/{child}/cmdline").read_bytes():
                 found.append(child)
         except OSError:
             pass

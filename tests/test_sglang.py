@@ -125,7 +125,7 @@ def _greedy_rescue(tmp_path, helper_backend: str, helper_dir, **kw):
 
 def test_kv_rescue_with_the_helper_on_sglang_commits_what_hf_commits(tmp_path, cli, shared_tiny_qwen):
     require_sglang()
-    from kvflow.backends.sglang.client import _SHARED
+    from kvflow.backends.served.worker import _SHARED
 
     runs = {}
     for backend in ("hf", "sglang"):  # the helper on the session's model: its SGLang engine is running
@@ -193,7 +193,7 @@ def test_a_crashed_worker_stops_the_run_clearly_and_the_rerun_resumes(tmp_path, 
                             start_new_session=True)
     out = tmp_path / "crashed" / "results"
     wait_for_first_record(out, proc)
-    workers = subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "kvflow.backends.sglang.worker"],
+    workers = subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "kvflow.backends.sglang.in_worker.worker"],
                              capture_output=True, text=True).stdout.split()
     assert workers, "no SGLang worker under the run"
     os.kill(int(workers[0]), signal.SIGKILL)  # what SGLang does to it when one of its processes dies

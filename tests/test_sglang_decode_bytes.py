@@ -1,7 +1,7 @@
 """Bytes kvflow's SGLang decode hook moves per step, counted on meta tensors (no GPU needed).
 
 On a GPU a decode step is bound by memory traffic; SGLang's own decode attention reads each
-row's keys and values once. `kvflow.backends.sglang.traffic.hook_bytes` runs one layer of
+row's keys and values once. `kvflow.backends.sglang.in_worker.traffic.hook_bytes` runs one layer of
 `graph.decode_step` at real models' shapes (Qwen2.5-7B; Qwen2.5-72B per rank at tp 4) and
 batch 8, 64, 256 under a byte-counting dispatch mode. Bounds (issue 33):
 
@@ -22,8 +22,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvflow.backends.sglang.graph import Profile, row_width  # noqa: E402
-from kvflow.backends.sglang.traffic import ByteCounter, attention_pass_bytes, hook_bytes  # noqa: E402
+from kvflow.backends.sglang.in_worker.graph import Profile, row_width  # noqa: E402
+from kvflow.backends.sglang.in_worker.traffic import ByteCounter, attention_pass_bytes, hook_bytes  # noqa: E402
 
 # (name, layers, q heads, KV heads per rank, head_dim)
 SHAPES = [("qwen2.5-7b", 28, 28, 4, 128), ("qwen2.5-72b-tp4", 80, 16, 2, 128)]

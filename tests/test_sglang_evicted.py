@@ -1,4 +1,4 @@
-"""Evicted proposers on SGLang (kvflow's plugin, `kvflow.backends.sglang.evict`). That every
+"""Evicted proposers on SGLang (kvflow's plugin, `kvflow.backends.sglang.in_worker.evict`). That every
 registered evictor keeps what `hf` keeps and decodes the same tokens is the evictor
 contract's engine axis (`EvictorContract.test_same_on_every_engine`, run for every registered
 evictor by tests/test_evictor_contract.py and for TOVA by its plugin's tests); here: the

@@ -173,7 +173,7 @@ def test_a_decode_token_the_hooks_missed_stops_the_engine_and_the_rerun_resumes(
     engine = {"max_total_tokens": 60000}
     (ref_dir,) = (tmp_path / "reference" / "results").iterdir()
 
-    from kvflow.backends.sglang.client import _SHARED
+    from kvflow.backends.served.worker import _SHARED
 
     for worker in list(_SHARED.values()):  # the next run starts a worker that skips hooks once
         if ("max_total_tokens", "60000") in worker.key:

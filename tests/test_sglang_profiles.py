@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvflow.backends.sglang.graph import Profile, observes_in_graph, profile_problem
+from kvflow.backends.sglang.in_worker.graph import Profile, observes_in_graph, profile_problem
 from kvflow.backends.sglang.settings import check_evicting, kv_layout_problem
 from kvflow.config.schema import ModelConfig
 from kvflow.registry import get_registry
@@ -124,7 +124,7 @@ def test_an_engine_built_for_rkv_reads_no_kv_in_its_hook_and_keeps_hfs_tokens():
 
 
 def _check_rkv_engine(engine, ev, h2o, hf_engine):
-    from kvflow.backends.sglang.client import EngineError
+    from kvflow.errors import EngineError
     from kvflow.components.engine import StartRequest
     from kvflow.testing.engine_parity import greedy_steps
 
@@ -183,7 +183,7 @@ def test_a_released_worker_is_closed_before_another_starts_and_a_held_one_is_not
 
 
 def test_a_full_context_engine_runs_no_kvflow_hook(full_context_engine):
-    from kvflow.backends.sglang.client import EngineError
+    from kvflow.errors import EngineError
     from kvflow.components.engine import StartRequest
 
     state = full_context_engine.server_state()

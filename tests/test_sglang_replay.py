@@ -2,7 +2,7 @@
 
 A replayed decode graph runs the kernels its capture launched, on its static buffers, and none
 of the Python that launched them; SGLang captures at engine start, with no kvflow request in
-the batch. `kvflow.backends.sglang.replay.ReplayProxy` does the same on a CPU (trace once per
+the batch. `kvflow.backends.sglang.in_worker.replay.ReplayProxy` does the same on a CPU (trace once per
 batch-size bucket with kvflow's Python state as at capture, replay the trace afterwards); the
 SGLang tests run every engine under it (`KVFLOW_SGLANG_REPLAY_PROXY=1`, set in conftest). Here:
 
@@ -25,7 +25,7 @@ from conftest import require_sglang
 
 
 def test_the_proxy_replays_a_hooks_python_decisions_as_they_were_at_capture():
-    from kvflow.backends.sglang.replay import ReplayProxy
+    from kvflow.backends.sglang.in_worker.replay import ReplayProxy
 
     rows: list = []  # Python state: empty at capture, as SGLang's capture batch has no kvflow rows
     seen = torch.zeros(8, dtype=torch.int64)
@@ -54,7 +54,7 @@ def _nothing():
 
 
 def _tables(layers=2, q_heads=4, kv_heads=2, d=8, pool=64, slots=6, ctx=40):
-    from kvflow.backends.sglang import graph
+    from kvflow.backends.sglang.in_worker import graph
 
     req_to_token = torch.zeros(slots, ctx, dtype=torch.int32)
     t = graph.Tables(req_to_token, layers, graph.Profile.general())
@@ -72,8 +72,8 @@ def test_the_decode_step_replayed_on_new_tables_equals_it_run_eagerly():
     output equal an eager run on a copy of the same state."""
     import copy
 
-    from kvflow.backends.sglang.graph import decode_step
-    from kvflow.backends.sglang.replay import ReplayProxy
+    from kvflow.backends.sglang.in_worker.graph import decode_step
+    from kvflow.backends.sglang.in_worker.replay import ReplayProxy
 
     layers, q_heads, kv_heads, d = 2, 4, 2, 8
     t, req_to_token, k, v = _tables(layers, q_heads, kv_heads, d)
@@ -156,7 +156,7 @@ def test_the_capturable_hooks_were_replayed_and_keep_hfs_tokens_and_state(sglang
 def test_the_proxy_buckets_are_sglangs_own_capture_sizes():
     """SGLang 0.5.23 captures 12 and 272..512 by 16 too (a 72B at tp 4 resolves max_bs 512):
     a batch of 12 or of 300 rows is replayed at its own bucket, not run eagerly."""
-    from kvflow.backends.sglang.replay import BUCKETS, bucket
+    from kvflow.backends.sglang.in_worker.replay import BUCKETS, bucket
 
     assert 12 in BUCKETS and bucket(9) == 12 and bucket(300) == 304 and bucket(512) == 512 and bucket(513) is None
 

@@ -136,7 +136,7 @@ def test_new_queries_only_equals_sglangs_extend_attention():
     import torch
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
-    from kvflow.backends.sglang.prm_model import new_queries_only
+    from kvflow.backends.sglang.in_worker.prm_model import new_queries_only
 
     torch.manual_seed(0)
     heads, kv_heads, dim = 4, 2, 8

@@ -200,7 +200,7 @@ def test_timing_phases_sum_to_the_problem_wall_time():
     batch until the problem finished, with model forwards and pruning nested where they ran."""
     import time
 
-    from kvflow.runtime.results import timing_summary
+    from kvflow.results.files import timing_summary
     from kvflow.timing import categories
 
     base = Proposer("base", tiny_runner("qwen2", seed=1), RandomEvictor(RandomEvictor.Params(budget=24, buffer=8, window=4)),

@@ -14,7 +14,7 @@ import yaml
 
 from conftest import REPO
 from kvflow import jsonfile
-from kvflow.runtime.results import ResultsDir, compute_metrics, read_json_object, read_samples
+from kvflow.results.files import ResultsDir, compute_metrics, read_json_object, read_samples
 
 RESULTS = REPO / "docs" / "results"
 
@@ -93,7 +93,7 @@ def test_migrated_runs_keep_their_metrics_hash_and_resume(run, tmp_path):
     records equal their metrics.json, the configuration still hashes to the directory's name
     (a resume finds the same directory), and a resume's load keeps every record."""
     from kvflow.config.validate import config_hash
-    from kvflow.report.runs import _pruner_owners
+    from kvflow.results.runs import _pruner_owners
 
     path = RESULTS / run
     config = yaml.safe_load((path / "config.resolved.yaml").read_text())

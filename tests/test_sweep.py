@@ -61,7 +61,7 @@ def test_points_have_their_own_results_dirs(tmp_path):
 def _fake_runner(monkeypatch, calls):
     """run_pipeline that writes a complete results directory without loading any model."""
     from kvflow.runtime import runner
-    from kvflow.runtime.results import ResultsDir
+    from kvflow.results.files import ResultsDir
 
     def fake_run(loaded, *, force=False, registry=None, quiet=False):
         calls.append((loaded.hash, force, quiet))

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from conftest import REPO
-from kvflow.report.runs import load_run
+from kvflow.results.runs import load_run
 from kvflow.view.data import build_index, mcnemar_exact, pair_summary, run_details
 from kvflow.view.page import render_page
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from kvflow.report.runs import load_run
+from kvflow.results.runs import load_run
 
 GSM8K = REPO / "docs" / "results" / "repro" / "gsm8k"
 RESCUE, EVICTED = GSM8K / "cpu_kv_rescue__64afb68c", GSM8K / "cpu_best_of_n__f9cd6046"

@@ -105,7 +105,7 @@ def test_kv_rescue_with_the_helper_on_vllm_commits_what_hf_commits(tmp_path, cli
     """The same greedy KV-Rescue run (base evicted, helper and likelihood scorer on the helper's
     model; both models the one vLLM serves) with the helper on hf and on vllm, and with the
     evicted base on vllm too, commits the same steps, from both sources."""
-    from kvflow.backends.vllm.client import _SHARED
+    from kvflow.backends.served.worker import _SHARED
 
     model = str(backend_model_dir("vllm"))
     runs = {}
@@ -132,7 +132,7 @@ def test_a_killed_worker_stops_the_engine_clearly_and_leaves_no_process(vllm_eng
     entry, the exit and the end of its log, and nothing of its process group is left."""
     import signal
 
-    from kvflow.backends.vllm.client import EngineError
+    from kvflow.errors import EngineError
 
     (state,) = vllm_engine.start([StartRequest(chat_prompt(vllm_engine), full_cache(), 1)])
     vllm_engine.submit([ProposeRequest(state, "base", SamplingSpec(2, 1.0, 1.0, 400, "\x00\x01"), 3, 1000)])

@@ -115,7 +115,7 @@ def test_explain_says_how_vllm_serves_the_model(tmp_path, cli):
 def test_the_worker_says_why_an_engine_cannot_run_evicted_requests():
     """What the vLLM worker answers an evicted request on an engine kvflow's hooks do not cover
     (`evict.Runtime.refusal`): another attention backend than CPU_ATTN (a GPU), or graphs."""
-    from kvflow.backends.vllm.evict import Runtime
+    from kvflow.backends.vllm.in_worker.evict import Runtime
 
     runtime = Runtime()
     assert "hooks were not installed" in runtime.refusal()

@@ -37,10 +37,9 @@ import yaml
 
 from kvflow import jsonfile
 from kvflow.errors import UserError
-from kvflow.runtime.results import CONFIG, SAMPLES, read_samples
+from kvflow.results.files import CONFIG, SAMPLES, read_samples
+from kvflow.results.signals import DIRECTIONS, configured_thresholds, kind_of  # noqa: F401 - calibrate's vocabulary
 
-#: direction a pruner kind flags in: "high" = stop when the signal exceeds the threshold
-DIRECTIONS = {"entropy": "high", "gzip": "low", "confidence": "low"}
 #: fewer candidates than this and no threshold is proposed (a histogram of a handful is noise)
 MIN_CANDIDATES = 20
 
@@ -65,11 +64,6 @@ class SignalReport:
         d = asdict(self)
         del d["values"], d["outcomes"]
         return {**d, "candidates": self.n, "pruned_here": self.outcomes.count("pruned here")}
-
-
-def kind_of(name: str) -> str:
-    base, _, suffix = name.rpartition("_")
-    return base if base and suffix.isdigit() else name
 
 
 def valley_threshold(values: Sequence[float], bins: int = 40) -> tuple[Optional[float], tuple[Optional[float], Optional[float]]]:
@@ -110,20 +104,6 @@ def _extreme(trace: Sequence[Optional[float]], direction: str) -> Optional[float
     if not vals:
         return None
     return max(vals) if direction == "high" else min(vals)
-
-
-def configured_thresholds(resolved: dict) -> dict[str, float]:
-    """Pruner name -> threshold from a resolved pipeline (names as the runtime gives them)."""
-    out: dict[str, float] = {}
-    for prop in (resolved.get("proposers") or {}).values():
-        seen: dict[str, int] = {}
-        for entry in (prop or {}).get("pruners") or []:
-            kind = entry.get("kind")
-            seen[kind] = seen.get(kind, 0) + 1
-            name = kind if seen[kind] == 1 else f"{kind}_{seen[kind]}"
-            if "threshold" in entry:
-                out.setdefault(name, entry["threshold"])
-    return out
 
 
 def analyse(records: Sequence[dict], *, bins: int = 40, directions: Optional[dict[str, str]] = None,

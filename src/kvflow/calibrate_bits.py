@@ -96,7 +96,7 @@ def calibrate_bits(file, bits: Sequence[int], n_problems: int, *, sets: Sequence
                    say: Optional[Callable[[str], None]] = None) -> tuple[list[BitsRow], BitsRow, Path]:
     from kvflow.config.validate import load_pipeline
     from kvflow.runtime import runner
-    from kvflow.runtime.results import ResultsDir
+    from kvflow.results.files import ResultsDir
 
     say = say or (lambda m: print(f"kvflow: {m}", file=sys.stderr, flush=True))
     loaded = load_pipeline(file, sets=sets, unsets=unsets, registry=registry)

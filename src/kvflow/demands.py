@@ -4,7 +4,7 @@ loading weights or touching the network (`kvflow.placement` decides where the de
 Weights = parameters x bytes per element of `dtype` (`auto`: 2). Parameters are counted from
 the checkpoint's safetensors headers or estimated from its config.json where those are at hand
 (a local directory, a catalog model's converted copy, a hub id whose config.json is in the
-local Hugging Face cache; `kvflow.cost`), else the paper's presets by name
+local Hugging Face cache; `kvflow.models.shapes`), else the paper's presets by name
 (`qwen2.5-math-72b`...), else a name-based estimate from the size in the id ("72B", "1.5B",
 "500M"; also for GGUF files, whose tables take seconds to read). A model of unknown size is
 counted as 0 bytes, and its note says so.
@@ -17,12 +17,12 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional
 
+from kvflow.backends.base import GpuLayout, backend_named
+
 log = logging.getLogger(__name__)
 
 #: an in-process (hf) model's claim: its weights x this (activations, logits, a small KV cache)
 HF_HEADROOM = 1.2
-#: an SGLang engine without `mem_fraction_static` on a GPU: about what SGLang takes for itself
-SGLANG_DEFAULT_FRACTION = 0.9
 #: bytes per weight by `dtype`
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "auto": 2}
 
@@ -48,48 +48,54 @@ class Demand:
     weight_bytes: Optional[float]  # all its weights (None: unknown)
     weights_from: str  # where the size came from, in words
     also: tuple[str, ...] = ()  # other model keys served by the same engine
-    gpu_count: int = 1  # GPUs it occupies (SGLang: tp x dp x pp / nnodes)
-    weight_shards: int = 1  # the weights are split over this many GPUs (SGLang: tp x pp)
-    mem_fraction: Optional[float] = None  # SGLang's mem_fraction_static as set (None: not set)
-    base_gpu_id: Optional[int] = None  # SGLang's base_gpu_id as set
-    gpu_id_step: int = 1
+    layout: GpuLayout = GpuLayout()
     quantized: bool = False  # a quantized checkpoint: weight_bytes (params x dtype bytes) overstates it
 
     @property
-    def sglang(self) -> bool:
-        return self.backend == "sglang"
+    def gpu_count(self) -> int:
+        return self.layout.gpu_count
+
+    @property
+    def weight_shards(self) -> int:
+        return self.layout.weight_shards
+
+    @property
+    def claims_fraction(self) -> bool:
+        """It claims a share of each GPU's memory when it starts (else weights x headroom)."""
+        return self.layout.fraction_setting is not None
 
     @property
     def fraction(self) -> float:
-        return self.mem_fraction if self.mem_fraction is not None else SGLANG_DEFAULT_FRACTION
+        return self.layout.fraction if self.layout.fraction is not None else self.layout.default_fraction
 
     def explicit_gpu(self) -> Optional[int]:
         """The first GPU the entry itself names, or None when the rule picks."""
-        if self.sglang and self.base_gpu_id is not None:
-            return self.base_gpu_id
+        if self.layout.first_gpu is not None:
+            return self.layout.first_gpu
         if self.device.startswith("cuda:"):
             return int(self.device.split(":", 1)[1])
         return None
 
     def field_to_change(self) -> str:
         """The dotted field to name when this entry's GPU is too full."""
-        return f"models.{self.key}." + ("engine.mem_fraction_static" if self.sglang else "device")
+        return f"models.{self.key}." + (f"engine.{self.layout.fraction_setting}" if self.claims_fraction else "device")
 
     def gpus_from(self, first: int) -> list[int]:
-        return [first + i * self.gpu_id_step for i in range(self.gpu_count)]
+        return [first + i * self.layout.gpu_id_step for i in range(self.gpu_count)]
 
     def claim(self, total_bytes: int) -> float:
         """Bytes asked of a GPU of `total_bytes` that this entry occupies."""
-        if self.sglang:
+        if self.claims_fraction:
             return self.fraction * total_bytes
         return (self.weight_bytes or 0.0) * HF_HEADROOM
 
     def how(self) -> str:
         """How the claim is counted, in words."""
-        if self.sglang:
-            frac = (f"mem_fraction_static {self.fraction:g}" if self.mem_fraction is not None
-                    else f"no mem_fraction_static: {SGLANG_DEFAULT_FRACTION:g} counted")
-            return f"sglang: {frac} of each GPU; {self._weights()}"
+        if self.claims_fraction:
+            setting = self.layout.fraction_setting
+            frac = (f"{setting} {self.fraction:g}" if self.layout.fraction is not None
+                    else f"no {setting}: {self.layout.default_fraction:g} counted")
+            return f"{self.backend}: {frac} of each GPU; {self._weights()}"
         return f"{self.backend}: weights x {HF_HEADROOM:g}; {self._weights()}"
 
     def _weights(self) -> str:
@@ -105,7 +111,7 @@ def parameter_count(model_cfg: Any) -> tuple[Optional[float], str]:
     """(parameters, where the number came from) of a ModelConfig, without weights or network:
     the checkpoint or config.json where at hand, else a paper preset by name, else the size
     in the id (a name-based estimate), else (None, "unknown")."""
-    from kvflow.cost import PRESETS, resolve_shape
+    from kvflow.models.shapes import PRESETS, resolve_shape
     from kvflow.models.catalog import CatalogError, get_entry
     from kvflow.models.loading import resolve_source
 
@@ -151,23 +157,13 @@ def _hub_config(repo: str, revision: Optional[str]) -> Optional[str]:
 
 
 def demand_of(key: str, model_cfg: Any, also: tuple[str, ...] = ()) -> Demand:
-    """A model entry's demand: its size and, on SGLang, the GPUs and fraction it asks for."""
+    """A model entry's demand: its size, and the GPUs and memory share its backend says its
+    engine takes (`Backend.gpu_layout`)."""
     params, source = parameter_count(model_cfg)
     weight_bytes = None if params is None else params * DTYPE_BYTES.get(model_cfg.dtype, 2)
-    engine = dict(model_cfg.engine or {}) if model_cfg.backend == "sglang" else {}
-
-    def setting(name: str, default: int = 1) -> int:
-        value = engine.get(name)
-        return int(value) if value is not None else default
-
-    tp, dp, pp, nodes = setting("tp_size"), setting("dp_size"), setting("pp_size"), setting("nnodes")
-    fraction = engine.get("mem_fraction_static")
-    return Demand(key, model_cfg.backend, model_cfg.device, weight_bytes, source, also=also,
-                  gpu_count=max(1, tp * dp * pp // max(1, nodes)), weight_shards=max(1, tp * pp),
-                  mem_fraction=None if fraction is None else float(fraction),
-                  base_gpu_id=None if engine.get("base_gpu_id") is None else int(engine["base_gpu_id"]),
-                  gpu_id_step=setting("gpu_id_step"),
-                  quantized=bool(engine.get("quantization") or _QUANTIZED_NAME.search(model_cfg.id)))
+    layout = backend_named(model_cfg.backend).gpu_layout(model_cfg)
+    return Demand(key, model_cfg.backend, model_cfg.device, weight_bytes, source, also=also, layout=layout,
+                  quantized=layout.quantized or bool(_QUANTIZED_NAME.search(model_cfg.id)))
 
 
 def pipeline_demands(models: Mapping[str, Any], keys: Iterable[str]) -> list[Demand]:

@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 from kvflow.kv_memory import DTYPE_BYTES
+from kvflow.backends.base import backend_named
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvflow.config.validate import ComponentSpec, LoadedPipeline
-    from kvflow.cost import ModelShape
+    from kvflow.models.shapes import ModelShape
     from kvflow.registry import Registry
 
 #: a typical prompt length (tokens) added to `limits.max_tokens` for a full (unevicted) cache
@@ -108,7 +109,7 @@ def _hub_cached(repo: str, filename: str, revision: Optional[str] = None) -> Opt
 
 def _preset_for(model_id: str) -> Optional[str]:
     """A cost preset (paper constants) whose name the hub id's basename starts with, if any."""
-    from kvflow.cost import PRESETS
+    from kvflow.models.shapes import PRESETS
 
     base = model_id.rsplit("/", 1)[-1].lower()
     matches = [p for p in PRESETS if base == p or base.startswith(p + "-")]
@@ -118,7 +119,7 @@ def _preset_for(model_id: str) -> Optional[str]:
 def model_shape(model_cfg: Any) -> tuple[Optional["ModelShape"], str]:
     """(shape, note): the model's dimensions from its config when they can be read offline
     without weights, else (None, why not)."""
-    from kvflow.cost import PRESETS, resolve_shape
+    from kvflow.models.shapes import PRESETS, resolve_shape
     from kvflow.errors import UserError
     from kvflow.models.catalog import CatalogError
     from kvflow.models.loading import resolve_source
@@ -227,9 +228,12 @@ def _budget_lines(pname: str, cls: type, params: Any, shape: Optional["ModelShap
 
 def explain_lines(loaded: "LoadedPipeline", registry: Optional["Registry"] = None,
                   gpus: Optional[list[tuple[int, int]]] = None) -> list[str]:
-    from kvflow.cost import kv_bytes_per_token
+    from kvflow.models.shapes import kv_bytes_per_token
     from kvflow.versions import versions_line
 
+    from kvflow.registry import get_registry
+
+    registry = registry or get_registry()
     pipe = loaded.pipeline
     comps = loaded.components
     out: list[str] = []
@@ -330,31 +334,13 @@ def explain_lines(loaded: "LoadedPipeline", registry: Optional["Registry"] = Non
         out.append(f"  models {' = '.join(keys.get(ident, [ident[0]]))} [{backend}]: {what}")
         if settings.get(ident):
             out.append("    engine settings: " + ", ".join(f"{k}={v}" for k, v in settings[ident].items()))
-        if backend == "sglang":
-            evicted = [n for n in names if pipe.proposers[n].evictor.kind != "none"]
+        if len(ident) > 1:
+            evicted = {n: pipe.proposers[n].evictor.kind for n in names if pipe.proposers[n].evictor.kind != "none"}
             full = [n for n in names if n not in evicted]
-            kinds = []
-            if evicted:
-                kinds.append(", ".join(f"{n} evicted ({pipe.proposers[n].evictor.kind}, per layer and KV head by "
-                                       "kvflow's SGLang plugin)" for n in evicted))
-            if full or ident == scorer_engine:
-                kinds.append((", ".join(full) + " " if full else "") + "full context, prefix kept in its radix cache")
-            common, evicting, cpu = _sglang_defaults()
-            out.append("    SGLang in a worker process; " + "; ".join(kinds) + "; kvflow's defaults: "
-                       + ", ".join(f"{k}={v}" for k, v in common.items())
-                       + (", " + ", ".join(f"{k}={v}" for k, v in evicting.items()) + " (evicted proposers)"
-                          if evicted else "")
-                       + "; where no GPU also " + ", ".join(f"{k}={v}" for k, v in cpu.items())
-                       + " (docs/backends.md, \"Running on GPUs\")")
-        if backend == "vllm":
-            from kvflow.backends.vllm.settings import COMMON as VLLM_COMMON, CPU as VLLM_CPU
-
-            out.append("    vLLM in a worker process (its own environment: .venv-vllm or KVFLOW_VLLM_PYTHON); "
-                       "full-context requests in vLLM's blocks (prefix cache on), evicted ones on a CPU in kvflow's "
-                       "budgeted cache inside the worker; kvflow's defaults: "
-                       + ", ".join(f"{k}={v}" for k, v in VLLM_COMMON.items())
-                       + "; where no GPU also " + ", ".join(f"{k}={v}" for k, v in VLLM_CPU.items())
-                       + " (docs/backends.md, \"vLLM\")")
+            model_cfg = pipe.models[keys[ident][0]]
+            for line in backend_named(backend, registry).describe(model_cfg, evicted=evicted, full=full,
+                                                           scores=ident == scorer_engine):
+                out.append("    " + line)
 
     if gpus:
         out.append("")
@@ -530,7 +516,7 @@ def _with_pool_tokens(placement, models):
     (K and V of every layer, at its dtype, split over its tensor-parallel ranks)."""
     import dataclasses
 
-    from kvflow.cost import kv_bytes_per_token
+    from kvflow.models.shapes import kv_bytes_per_token
 
     pools = {}
     for key, pool in placement.pools.items():
@@ -560,9 +546,3 @@ def explain_command(file: Union[str, os.PathLike], *, sets=(), unsets=(), regist
     for line in explain_lines(loaded, registry, gpus=devices):
         echo(line)
     return loaded
-
-
-def _sglang_defaults() -> tuple[dict, dict, dict]:
-    from kvflow.backends.sglang.settings import COMMON, CPU, EVICTING
-
-    return COMMON, EVICTING, CPU

@@ -58,7 +58,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
-from kvflow.demands import HF_HEADROOM, SGLANG_DEFAULT_FRACTION, Demand, gib, pipeline_demands
+from kvflow.backends.base import SGLANG_DEFAULT_FRACTION, backend_named
+from kvflow.demands import HF_HEADROOM, Demand, gib, pipeline_demands
 from kvflow.errors import ConfigProblem, UserError
 
 log = logging.getLogger(__name__)
@@ -99,20 +100,18 @@ class Placement:
 
     def placed_models(self, models: Mapping[str, Any]) -> dict[str, Any]:
         """`models` (ModelConfig by key) with each placed entry's device set to `cuda:i` and,
-        on SGLang, `engine.base_gpu_id: i` where the entry set none and `mem_fraction_static`
-        as SGLang must be told it for the entry's share of the GPU (`sglang_pools`)."""
+        the engine settings its backend gives for that GPU and share (`Backend.placed_settings`;
+        SGLang: `base_gpu_id: i` where the entry set none, and `mem_fraction_static` as SGLang must
+        be told it for the entry's share of the GPU: `sglang_pools`)."""
         out = dict(models)
         for key, indices in self.assigned.items():
             cfg = models[key]
             update: dict[str, Any] = {"device": f"cuda:{indices[0]}"}
-            engine = dict(cfg.engine or {})
-            if cfg.backend == "sglang" and "base_gpu_id" not in engine:
-                engine["base_gpu_id"] = indices[0]
             pool = self.pools.get(key)
-            if cfg.backend == "sglang" and pool is not None and pool.passed is not None:
-                engine["mem_fraction_static"] = pool.passed
-            if cfg.backend == "sglang":
-                update["engine"] = engine
+            placed = backend_named(cfg.backend).placed_settings(
+                cfg, indices[0], pool.passed if pool is not None else None)
+            if placed:
+                update["engine"] = {**(cfg.engine or {}), **placed}
             out[key] = cfg.model_copy(update=update)
         return out
 
@@ -173,7 +172,7 @@ def place(demands: Iterable[Demand], gpus: Sequence[Gpu], problem: ProblemMaker 
         if all(i in totals for i in indices):
             put(d, indices)
             continue
-        where = (f"models.{d.key}.engine.base_gpu_id" if d.sglang and d.base_gpu_id is not None
+        where = (f"models.{d.key}.engine.{d.layout.first_gpu_setting}" if d.layout.first_gpu is not None
                  else f"models.{d.key}.device")
         problems.append(problem(where, f"asks for {_span(indices)}, but this machine has {_span(sorted(totals))}",
                                 "set `device: auto` (the placement rule picks a GPU) or an index that exists"))
@@ -251,24 +250,24 @@ def sglang_pools(demands: Sequence[Demand], assigned: Mapping[str, Sequence[int]
         indices = assigned.get(d.key, ())
         if not indices:
             continue
-        if d.sglang:
+        if d.claims_fraction:
             free = min(totals[i] - started[i] for i in indices)
             share = d.fraction
             alone = all(engines_on[i] == 1 for i in indices)
-            passed = None if alone and d.mem_fraction is None else round(share * min(totals[i] for i in indices) / free, 4)
+            passed = None if alone and d.layout.fraction is None else round(share * min(totals[i] for i in indices) / free, 4)
             f = passed if passed is not None else share
             weights = None if d.weight_bytes is None else d.weight_bytes / d.weight_shards
             pool_bytes = None if weights is None else f * free - weights
             pools[d.key] = Pool(share, passed, free, pool_bytes, order)
             if f >= 1 or (pool_bytes is not None and pool_bytes <= 0 and not d.quantized):
                 problems.append(problem(
-                    f"models.{d.key}.engine.mem_fraction_static",
+                    d.field_to_change(),
                     f"this SGLang engine starts with {gib(free)} free on {_span(indices)} after the engines before it; "
                     f"its share {share:g} of the GPU ({gib(share * min(totals[i] for i in indices))}) "
                     + ("is more than that" if f >= 1 else f"leaves no KV pool after its weights ({gib(weights)})"),
                     "raise its mem_fraction_static and lower the others' on that GPU, or put it on another GPU"))
         for i in indices:
-            started[i] += d.claim(totals[i]) + (PROCESS_OVERHEAD if d.sglang else 0)
+            started[i] += d.claim(totals[i]) + (PROCESS_OVERHEAD if d.claims_fraction else 0)
     return pools, problems
 
 
@@ -284,7 +283,7 @@ def _overfull(claims, totals, by_key, problem: ProblemMaker) -> list[ConfigProbl
         c = claims[i]
         on_gpu = [by_key[k] for k in c]
         where = "each of " + _span(indices) if len(indices) > 1 else _span(indices)
-        if all(d.sglang for d in on_gpu):
+        if all(d.claims_fraction for d in on_gpu):
             total = sum(d.fraction for d in on_gpu)
             message = (f"the SGLang engines on {where} ask for mem_fraction_static "
                        + " + ".join(f"{d.fraction:g} (models.{d.key})" for d in on_gpu)
@@ -307,13 +306,13 @@ def _weights_too_big(demands, assigned, totals, problem: ProblemMaker) -> list[C
     """An SGLang engine whose share of the weights does not fit in its fraction of a GPU."""
     problems = []
     for d in demands:
-        if not d.sglang or d.weight_bytes is None or d.quantized or d.key not in assigned:
+        if not d.claims_fraction or d.weight_bytes is None or d.quantized or d.key not in assigned:
             continue
         shard = d.weight_bytes / d.weight_shards
         smallest = min(totals[i] for i in assigned[d.key])
         if shard >= d.fraction * smallest:
             problems.append(problem(
-                f"models.{d.key}.engine.mem_fraction_static",
+                d.field_to_change(),
                 f"{gib(shard)} of weights per GPU ({gib(d.weight_bytes)} over tp_size x pp_size = "
                 f"{d.weight_shards}; {d.weights_from}) do not fit in {d.fraction:g} of a {gib(smallest)} GPU, "
                 "and SGLang keeps weights and KV pool inside that fraction",

@@ -22,7 +22,7 @@ from typing import Callable, Iterable, Optional, Sequence
 from kvflow.config.loader import format_path, parse_path
 from kvflow.errors import ConfigProblem, UserError
 from kvflow.runtime.progress import Progress, Tally, clock_text
-from kvflow.runtime.results import ResultsDir
+from kvflow.results.files import ResultsDir
 
 SWEEP_FILE = "<--sweep>"
 
@@ -292,7 +292,7 @@ def _run_on_ray(points: list[Point], *, force: bool, registry, say, ray_address:
 
 def _complete(loaded) -> bool:
     """Complete = metrics.json written and every problem of the dataset recorded."""
-    from kvflow.runtime.results import ResultsDir
+    from kvflow.results.files import ResultsDir
     from kvflow.runtime.runner import load_dataset, results_path
 
     store = ResultsDir(results_path(loaded))
@@ -306,7 +306,7 @@ def _print_summary(rows) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from kvflow.runtime.results import ResultsDir
+    from kvflow.results.files import ResultsDir
 
     table = Table(title="kvflow sweep", title_justify="left")
     for col in ("point", "status", "accuracy", "results"):

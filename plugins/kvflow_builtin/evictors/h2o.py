@@ -43,6 +43,7 @@ class H2OEvictor(Evictor):
 
     Params = H2OParams
     observes_attention = True
+    observed_statistic = "accumulated_attention"  # engines' decode graphs compute it themselves
 
     def observe(self, stats, query, keys, mask, *, layer_idx, scaling):
         rows, q_heads, t, d = query.shape

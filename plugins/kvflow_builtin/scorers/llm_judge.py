@@ -78,20 +78,18 @@ class LLMJudgeScorer(StepScorer):
         super().__init__(params, context)
         from kvflow.errors import UserError
 
-        from kvflow_builtin.scorers.prm import SERVING, _serving_reuses
+        from kvflow_builtin.scorers.prm import _serving_reuses, serves_values
 
         session = context.load_session(params.model)
         backend = getattr(getattr(session, "engine", None), "backend", "hf")
-        on_engine = backend in SERVING  # the engine answers label log-probabilities, its cache serves the prefix
+        on_engine = serves_values(backend)  # the engine answers label log-probabilities, its cache serves the prefix
         self.tokenizer = session.engine.tokenizer if on_engine else session.runner.tokenizer
         self.answer_ids = [self.tokenizer(a, add_special_tokens=False)["input_ids"][0] for a in ANSWERS]
         if self.answer_ids[0] == self.answer_ids[1]:
             raise UserError(f"llm_judge: 'Yes' and 'No' start with the same token for models.{params.model}")
         if on_engine:
-            from kvflow.backends.position_values import PositionValues
-
             _serving_reuses(params, backend)
-            self.forward = PositionValues(session.engine, labels=self.answer_ids)
+            self.forward = session.engine.position_values(labels=self.answer_ids)
             return
         from kvflow.backends.hf.scoring import head_forward, label_head
 

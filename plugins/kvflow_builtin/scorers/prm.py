@@ -7,7 +7,7 @@ default): on `hf` each problem keeps the shared prefix of its last round's input
 head's outputs at every position) and a round runs the newly committed step once and each
 candidate's own tokens (`kvflow.backends.hf.scoring.PrefixForward`); on `sglang` and `vllm` the
 engine's prefix cache holds that prefix and the values at cached tags are kept per problem
-(`kvflow.backends.position_values.PositionValues`). `prefix_reuse: false` (hf only) re-encodes
+(`kvflow.backends.served.position_values.PositionValues`). `prefix_reuse: false` (hf only) re-encodes
 every input in batched forwards (right padding, chunks of at most `batch_tokens` padded tokens). The candidate's score is
 `aggregate` (last | min | prod | mean) over its trajectory's step scores; a candidate that is
 empty after normalisation adds no step, so it gets the trajectory's score without it (nan,
@@ -20,7 +20,7 @@ protocol `qwen25-math-prm` (Qwen/Qwen2.5-Math-PRM-7B, -72B):
     with a two-class token head; step score = softmax(head logits)[1] at each `<extra_0>`.
     On `hf` loaded by `kvflow.backends.hf.prm` (remote code only with `trust_remote_code:
     true`, otherwise kvflow's own rebuild); on `sglang` served by kvflow's
-    `Qwen2ForProcessRewardModel` in SGLang's model registry (`kvflow.backends.sglang.prm_model`),
+    `Qwen2ForProcessRewardModel` in SGLang's model registry (`kvflow.backends.sglang.in_worker.prm_model`),
     whose head's logits come back for every position the engine runs; on `vllm` by vLLM's own
     `Qwen2ForProcessRewardModel` on its pooling runner (every token's logits, no activation; the
     whole trajectory runs per request: vLLM's token pooling reads no prefix cache). A checkpoint
@@ -123,7 +123,7 @@ class PRMScorer(StepScorer):
 
     Params = PRMParams
     #: hf: transformers (kvflow's PRM rebuild, or the causal LM's label logits); sglang: kvflow's
-    #: PRM model class in SGLang (`kvflow.backends.sglang.prm_model`), or label logprobs; vllm:
+    #: PRM model class in SGLang (`kvflow.backends.sglang.in_worker.prm_model`), or label logprobs; vllm:
     #: vLLM's PRM class on its pooling runner, or label logprobs
     backends = ("hf", "sglang", "vllm")
 
@@ -138,16 +138,11 @@ class PRMScorer(StepScorer):
 
     @classmethod
     def engine_settings(cls, params, backend: str) -> dict:
-        """Engine settings the scorer's model needs on `backend` (merged under the entry's own)."""
-        if backend == "sglang" and params.protocol == "qwen25-math-prm":
-            # the PRM's head outputs come back as hidden states, which SGLang keeps for the last
-            # chunk of a chunked prefill only: no chunks (a scoring engine only prefills)
-            return {"enable_return_hidden_states": True, "chunked_prefill_size": -1}
-        if backend == "vllm" and params.protocol == "qwen25-math-prm":
-            # vLLM's PRM pools at its step tag (151651, Qwen's `<extra_0>`) by default: every
-            # position instead, so that the tags of any tokenizer are read where kvflow finds them
-            return {"runner": "pooling", "pooler_config": {"tok_pooling_type": "ALL"}}
-        return {}
+        """Engine settings the scorer's model needs on `backend` (merged under the entry's own):
+        what the backend says per-position values of a PRM head, or of label tokens, need."""
+        if not serves_values(backend):
+            return {}
+        return _backend(backend).position_value_settings(None, head=params.protocol == "qwen25-math-prm")
 
     def __init__(self, params, context) -> None:
         super().__init__(params, context)
@@ -155,9 +150,7 @@ class PRMScorer(StepScorer):
 
         model_cfg = (context.models or {}).get(params.model)
         backend = getattr(model_cfg, "backend", "hf")
-        if backend in SERVING:
-            from kvflow.backends.position_values import PositionValues
-
+        if serves_values(backend):
             _serving_reuses(params, backend)
 
             if params.protocol == "qwen25-math-prm":
@@ -167,11 +160,11 @@ class PRMScorer(StepScorer):
             engine = context.load_session(params.model).engine
             if params.protocol == "qwen25-math-prm":
                 self.format = QwenPRMFormat(engine.tokenizer)
-                self.forward = PositionValues(engine, head=True)
+                self.forward = engine.position_values(head=True)
                 self._prob = lambda logits: torch.softmax(logits, dim=-1)[:, 1]
             else:
                 self.format = ShepherdFormat(engine.tokenizer)
-                self.forward = PositionValues(engine, labels=self.format.label_ids)
+                self.forward = engine.position_values(labels=self.format.label_ids)
                 self._prob = lambda logits: torch.softmax(logits, dim=-1)[:, 0]
             return
         from kvflow.backends.hf.scoring import head_forward, label_head
@@ -220,15 +213,22 @@ class PRMScorer(StepScorer):
             release(problem_ids)
 
 
-#: backends whose engine serves the scorers' values (`PositionValues`), its prefix cache holding
-#: each problem's committed prefix
-SERVING = ("sglang", "vllm")
+def _backend(name: str):
+    from kvflow.backends.base import backend_named
+
+    return backend_named(name)
+
+
+def serves_values(backend: str) -> bool:
+    """Does `backend`'s engine serve the scorers' per-position values (`engine.position_values`),
+    its prefix cache holding each problem's committed prefix? (else: kvflow's transformers path)"""
+    return _backend(backend).serves_position_values
 
 
 def prefix_reuse_problem(params, backend: str):
     """None, or (field under `scorer`, why, hint) when these params cannot run on `backend`:
     `prefix_reuse: false` is hf's re-encoding; a serving engine's prefix cache always serves the prefix."""
-    if backend in SERVING and not params.prefix_reuse:
+    if serves_values(backend) and not params.prefix_reuse:
         return ("prefix_reuse", f"prefix_reuse: false re-encodes every input on backend 'hf' only; on {backend!r} "
                                 f"(models.{params.model}.backend) the engine's prefix cache always serves the "
                                 "committed prefix",

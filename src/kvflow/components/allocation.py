@@ -19,7 +19,7 @@ allocations are mixins here, combined with any scoring evictor by subclassing
 
 The base class `Evictor.select()` still forces the window and the protected prompt per head
 and keeps time order; the cache keeps per-(row, layer, head) lengths and masks attention to
-each head's own slots (`kvflow.backends.hf.cache`, `kvflow.backends.sglang.evict`).
+each head's own slots (`kvflow.backends.hf.cache`, `kvflow.backends.sglang.in_worker.evict`).
 """
 
 from __future__ import annotations

@@ -78,6 +78,12 @@ class Evictor:
     bounded: ClassVar[bool] = True
     #: True for methods that need `observe()` at every forward (see the class docstring).
     observes_attention: ClassVar[bool] = False
+    #: the standard statistic `observe()` computes, which an engine may compute itself (in a
+    #: captured decode graph) instead of calling it: "accumulated_attention" (H2O: the attention
+    #: the new queries pay each cached key, summed over the query heads of its KV head and over
+    #: time). None: only this class's own `observe()` computes it. A subclass that overrides
+    #: `observe()` without declaring it again declares nothing (`observed_statistic()`).
+    observed_statistic: ClassVar[Optional[str]] = None
 
     def __init__(self, params: EvictorParams) -> None:
         """kvflow builds one evictor per proposer as `Evictor(params)`, `params` its validated
@@ -300,6 +306,15 @@ class Evictor:
 
 
 # --------------------------------------------------------------------------- pruners
+
+
+def observed_statistic(evictor: "Evictor") -> Optional[str]:
+    """The standard statistic `evictor.observe()` computes (`Evictor.observed_statistic`), where
+    the class that declares it is also the one whose `observe()` runs; else None."""
+    for klass in type(evictor).__mro__:
+        if "observed_statistic" in vars(klass):
+            return klass.observed_statistic if type(evictor).observe is klass.observe else None
+    return None
 
 
 class Pruner:

@@ -297,12 +297,10 @@ def _check_refs(data: dict, specs: dict[PathParts, Optional[ComponentSpec]], loc
 
 
 def _pruner_specs(entries: list[tuple[str, type, BaseModel]]) -> list[PrunerSpec]:
-    seen: dict[str, int] = {}
-    out = []
-    for kind, cls, params in entries:
-        seen[kind] = seen.get(kind, 0) + 1
-        out.append(PrunerSpec(kind if seen[kind] == 1 else f"{kind}_{seen[kind]}", cls, params))
-    return out
+    from kvflow.config.names import pruner_names
+
+    names = pruner_names(kind for kind, _, _ in entries)
+    return [PrunerSpec(name, cls, params) for name, (_, cls, params) in zip(names, entries)]
 
 
 def _sort_key(main: str):

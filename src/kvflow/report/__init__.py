@@ -36,7 +36,7 @@ from typing import Callable, Optional, Sequence
 
 from kvflow.errors import UserError
 from kvflow.report.labels import series_names
-from kvflow.report.runs import Run, check_same_dataset, expand_dirs, load_run
+from kvflow.results.runs import Run, check_same_dataset, expand_dirs, load_run
 from kvflow.report import tables as T
 
 __all__ = ["Run", "build_tables", "load_runs", "report_command"]

@@ -9,7 +9,7 @@ not what it computed (kvflow.config.validate.NOT_HASHED), and the free-text `nam
 `description` (a run's name is in its directory's name, which tables show beside it).
 
 `kvflow report` names a series (a line of a plot, a row of a table) by the readable
-`variant / evictor` of a run (kvflow.report.runs) and adds the differing fields *within*
+`variant / evictor` of a run (kvflow.results.runs) and adds the differing fields *within*
 the runs of that variant, evictor and N, the budget excepted (it is the x axis): the two
 KV-Rescue runs of the reproduction's round 2 differ only by `scorer.model`, so they are
 "interleave + early exit / random, scorer.model=base" and "... scorer.model=helper".
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvflow.report.runs import Run
+    from kvflow.results.runs import Run
 
 #: what a path holds in a run that does not set it (kvflow's default for it)
 UNSET = "–"

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from kvflow.report.labels import SeriesNames, series_names
-from kvflow.report.runs import Run
+from kvflow.results.runs import Run
 
 
 def _plt():

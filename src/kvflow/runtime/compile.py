@@ -8,12 +8,12 @@ the local cache or with a reachable hub), otherwise the run fails before any wei
 
 from __future__ import annotations
 
-import inspect
 
 from typing import Callable
 
 from kvflow.config.validate import LoadedPipeline
 from kvflow.errors import EngineSettingError, UserError
+from kvflow.backends.base import backend_named
 
 def cpu_hint() -> str:
     """What to run instead on a machine without a pipeline's models: the shipped quickstart,
@@ -49,7 +49,7 @@ def check_models(loaded: LoadedPipeline, registry=None) -> None:
     problems = []
     for key in used_models(loaded):
         cfg = loaded.pipeline.models[key]
-        why = registry.get("backends", cfg.backend).check(cfg)
+        why = backend_named(cfg.backend, registry).check(cfg)
         if isinstance(why, tuple):  # (field under the entry, sentence): a setting, not availability
             problems.append(loaded.problem(f"models.{key}.{why[0]}", why[1]))
         elif why:
@@ -91,15 +91,14 @@ def engine_use_problems(loaded: LoadedPipeline, registry=None) -> list:
         if prop.evictor.kind == "none":
             continue
         backend = loaded.pipeline.models[prop.model].backend
-        loader = registry.get("backends", backend)
-        if not getattr(loader, "evicts", True):
+        loader = backend_named(backend, registry)
+        if not loader.evicts:
             problems.append(loaded.problem(
                 f"proposers.{name}.evictor", f"backend '{backend}' (models.{prop.model}.backend) runs full-context "
                 f"proposers only, not evictor '{prop.evictor.kind}'", "put this proposer's model on backend 'hf'"))
-        elif hasattr(loader, "check_evictor"):  # what a backend cannot do with an evictor, said before loading
+        else:  # what a backend cannot do with an evictor, said before loading
             spec = loaded.components.proposers[name].evictor
-            kwargs = {"evictor_cls": spec.cls} if "evictor_cls" in inspect.signature(loader.check_evictor).parameters else {}
-            why = loader.check_evictor(loaded.pipeline.models[prop.model], spec.params, **kwargs)
+            why = loader.check_evictor(loaded.pipeline.models[prop.model], spec.params, evictor_cls=spec.cls)
             if why:  # ("params.<name>", ...) is the evictor's parameter, anything else the model entry's
                 field, message = why
                 param = field.removeprefix("params.")
@@ -158,10 +157,10 @@ def build_plan(loaded: LoadedPipeline, registry, on_load: Callable[[str], None] 
     def engine_for(key: str):
         if key not in engines:
             on_load(key)
-            backend = registry.get("backends", pipe.models[key].backend)
+            backend = backend_named(pipe.models[key].backend, registry)
             try:
-                engines[key] = load_engine(backend, pipe.models[key], evicting=key in evicting,
-                                           evictors=served.get(key, []))
+                engines[key] = backend.load(pipe.models[key], evicting=key in evicting,
+                                            evictors=list(served.get(key, [])))
             except EngineSettingError as e:  # what the engine resolved on this machine, located in the pipeline
                 raise UserError(loaded.problem(f"models.{key}.{e.field}", e.message, e.hint)) from None
             except (UserError, KeyboardInterrupt, MemoryError):
@@ -364,47 +363,42 @@ def scorer_engines(loaded: LoadedPipeline) -> LoadedPipeline:
 
 
 #: SGLang settings that size its KV pool: an entry that sets one keeps its own pool under run.kv_memory
-POOL_SETTINGS = ("max_total_tokens", "mem_fraction_static")
-
-
-def kv_memory_engines(loaded: LoadedPipeline) -> LoadedPipeline:
-    """With `run.kv_memory` in bytes, the KV pool of each SGLang model a proposer runs on is
-    that many bytes (`max_total_tokens` = kv_memory / the model's KV bytes per token), unless
-    the entry sizes its pool itself (POOL_SETTINGS): the worker's pool is then the same bound
-    as the scheduler's, and SGLang admits candidates into it as slots free, with no room held
-    back by kvflow (the engines decode every admitted problem's rows: no `batch_problems` cap
-    unless it is set). `auto` leaves SGLang to size its pool from the free memory."""
+def kv_memory_engines(loaded: LoadedPipeline, registry=None) -> LoadedPipeline:
+    """With `run.kv_memory` in bytes, each model a proposer runs on gets the engine settings its
+    backend gives for a KV pool of that many bytes (`Backend.kv_pool_settings`; SGLang:
+    `max_total_tokens` = kv_memory / the model's KV bytes per token, unless the entry sizes its
+    pool itself): the worker's pool is then the same bound as the scheduler's, and the engine
+    admits candidates into it as slots free, with no room held back by kvflow (the engines
+    decode every admitted problem's rows: no `batch_problems` cap unless it is set). `auto`
+    leaves every engine to size its pool from the free memory."""
     import dataclasses
 
-    from kvflow.cost import kv_bytes_per_token, resolve_shape
     from kvflow.kv_memory import DTYPE_BYTES, parse_bytes
+    from kvflow.models.shapes import kv_bytes_per_token, resolve_shape
+    from kvflow.registry import get_registry
 
     pipe = loaded.pipeline
     if pipe.run.kv_memory in (None, "auto"):
         return loaded
+    registry = registry or get_registry()
     bound = parse_bytes(pipe.run.kv_memory)
     models = dict(pipe.models)
     for key in {p.model for p in pipe.proposers.values()}:
         m = models[key]
-        if m.backend != "sglang" or any(k in (m.engine or {}) for k in POOL_SETTINGS):
-            continue
         try:
             per_token = kv_bytes_per_token(resolve_shape(m.id), DTYPE_BYTES.get(m.dtype, 2))
         except (UserError, OSError, ValueError):
-            continue  # a shape not readable here: SGLang sizes its pool as it would
-        models[key] = m.model_copy(update={"engine": {**(m.engine or {}), "max_total_tokens": int(bound // per_token)}})
+            continue  # a shape not readable here: the engine sizes its pool as it would
+        settings = backend_named(m.backend, registry).kv_pool_settings(m, bound, per_token)
+        if settings:
+            models[key] = m.model_copy(update={"engine": {**(m.engine or {}), **settings}})
     return dataclasses.replace(loaded, pipeline=pipe.model_copy(update={"models": models}))
 
 
 def batch_invariant(registry, model_cfg) -> tuple:
     """The backend's answer for `run.deterministic` on this entry: (engine settings, None) or
     (None, why not); a backend that does not declare `batch_invariant` cannot."""
-    backend = registry.get("backends", model_cfg.backend)
-    declared = getattr(backend, "batch_invariant", None)
-    if declared is None:
-        return None, (f"runs on backend {model_cfg.backend!r}, which does not declare batch-invariant decoding "
-                      "(`batch_invariant(model_cfg)`)")
-    return declared(model_cfg)
+    return backend_named(model_cfg.backend, registry).batch_invariant(model_cfg)
 
 
 def deterministic_problems(loaded: LoadedPipeline, registry=None) -> list:
@@ -424,21 +418,6 @@ def deterministic_problems(loaded: LoadedPipeline, registry=None) -> list:
                                            f"unset run.deterministic, or put models.{key} on a GPU or on backend 'hf' "
                                            "(kvflow's batch-invariant forwards, CPU or GPU)"))
     return problems
-
-
-def load_engine(backend, model_cfg, *, evicting: bool, evictors=()):
-    """`backend.load(model_cfg)`, telling a backend whose `load` takes `evicting` whether an
-    evicted proposer runs on the model, and one whose `load` takes `evictors` which evictors
-    (class, params) it will serve (SGLang builds its decode hook from them)."""
-    import inspect
-
-    accepted = inspect.signature(backend.load).parameters
-    kwargs = {}
-    if "evicting" in accepted:
-        kwargs["evicting"] = evicting
-    if "evictors" in accepted:
-        kwargs["evictors"] = list(evictors)
-    return backend.load(model_cfg, **kwargs)
 
 
 def resolve_budget_bytes(loaded: LoadedPipeline, proposer: str, params, kv_shape: tuple[int, int, int, int]):
@@ -466,7 +445,7 @@ def resolve_rope_theta(loaded: LoadedPipeline, proposer: str, params, model_id: 
     a UserError naming the field. Others unchanged."""
     if "rope_theta" not in type(params).model_fields or params.rope_theta is not None:
         return params
-    from kvflow.cost import resolve_shape
+    from kvflow.models.shapes import resolve_shape
 
     where = f"proposers.{proposer}.evictor.rope_theta"
     try:

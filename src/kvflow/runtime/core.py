@@ -45,7 +45,7 @@ from typing import Optional, Protocol
 from kvflow.config.validate import LoadedPipeline
 from kvflow.errors import ConfigProblem, UserError
 from kvflow.runtime import compile as compile_
-from kvflow.runtime.results import ResultsDir, compute_metrics
+from kvflow.results.files import ResultsDir, compute_metrics
 from kvflow.runtime.summary import print_summary
 from kvflow.versions import installed_versions, versions_line
 

@@ -81,7 +81,7 @@ def serve(loaded: LoadedPipeline, registry, *, host: str = "127.0.0.1", port: in
     store = None
     if record is not None:
         from kvflow.outputs import output_dir_problem
-        from kvflow.runtime.results import ResultsDir
+        from kvflow.results.files import ResultsDir
 
         why = output_dir_problem(Path(record))
         if why:
@@ -186,7 +186,7 @@ def _stop(server) -> None:
 def _write_metrics(loaded: LoadedPipeline, store, session) -> None:
     from kvflow.runtime.compile import pruner_owners
     from kvflow.runtime.core import merge_occupancy, now
-    from kvflow.runtime.results import compute_metrics
+    from kvflow.results.files import compute_metrics
 
     try:
         summary = session.summary()

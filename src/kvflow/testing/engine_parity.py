@@ -28,6 +28,7 @@ step that differs; any other difference fails.
 
 from __future__ import annotations
 
+from kvflow.backends.base import backend_named
 import functools
 import tempfile
 from pathlib import Path
@@ -50,9 +51,8 @@ def contract_arch(backend: str) -> str:
     run `backend` on: the backend's optional `contract_arch` attribute, else "qwen2" (an engine
     whose kernels do not serve the smallest shapes names a larger one: vLLM's CPU attention
     takes head_dim 32 and up)."""
-    from kvflow.registry import get_registry
 
-    return getattr(get_registry().get("backends", backend), "contract_arch", "qwen2")
+    return backend_named(backend).contract_arch
 
 
 def backend_model_dir(backend: str) -> Path:
@@ -66,9 +66,8 @@ def load_engine(backend: str, model_dir: Path | None = None):
     import pytest
 
     from kvflow.config.schema import ModelConfig
-    from kvflow.registry import get_registry
 
-    loader = get_registry().get("backends", backend)
+    loader = backend_named(backend)
     cfg = ModelConfig(backend=backend, id=str(model_dir or backend_model_dir(backend)), dtype="float32", device="cpu")
     why = loader.check(cfg)
     if why:

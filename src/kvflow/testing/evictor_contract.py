@@ -65,6 +65,7 @@ from typing import Any, Callable, ClassVar
 
 import pytest
 
+from kvflow.backends.base import backend_named
 from kvflow.components.base import EvictorParams
 from kvflow.testing.component_contract import ComponentContract
 from kvflow.testing.evictor_decode import (ARGMAX_TIE, PROMPTS, ROW_SEEDS, decode, recorded_decode,  # noqa: F401
@@ -88,7 +89,7 @@ def _evicting_backends() -> list[str]:
     from kvflow.registry import get_registry
 
     reg = get_registry()
-    return [n for n in reg.names("backends") if n != "hf" and getattr(reg.get("backends", n), "evicts", True)]
+    return [n for n in reg.names("backends") if n != "hf" and backend_named(n, reg).evicts]
 
 
 class EvictorContract(ComponentContract):

@@ -59,7 +59,7 @@ def _main(cases_json: str) -> None:
     from sglang.srt.runtime_context import override_platform
     from sglang.srt.server_args import ServerArgs
 
-    from kvflow.backends.sglang.worker import resolved_settings
+    from kvflow.backends.sglang.in_worker.worker import resolved_settings
 
     resolved = []
     for kwargs, gpu in json.loads(cases_json):

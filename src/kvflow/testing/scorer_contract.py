@@ -136,23 +136,20 @@ class ScorerContract(ComponentContract):
         from kvflow.registry import get_registry
 
         if cls.contract_backend != "hf":
-            import inspect
-
+            from kvflow.backends.base import backend_named
             from kvflow.testing.engine_parity import backend_model_dir
 
             # the tiny model kvflow's engine tests share for that backend (one engine per process)
             backend = cls.contract_backend
-            loader = get_registry().get("backends", backend)
+            loader = backend_named(backend)
             cfg = ModelConfig(backend=backend, id=str(backend_model_dir(backend)), dtype="float32", device="cpu")
             why = loader.check(cfg)
             if why:
                 pytest.skip(f"backend {backend!r} cannot run here: {why[1] if isinstance(why, tuple) else why}")
             models = {MODEL_KEY: cfg}
-            full_context = {"evicting": False} if "evicting" in inspect.signature(loader.load).parameters else {}
-
             def load_session(key: str):
                 assert key == MODEL_KEY, f"the contract provides only models.{MODEL_KEY}, not models.{key}"
-                return loader.load(cfg, **full_context).scoring_session()
+                return loader.load(cfg, evicting=False).scoring_session()
 
             return lambda: ScorerContext(load_session=load_session, proposers=list(PROPOSERS), seed=0,
                                          delimiter="\n\n", models=models)

@@ -19,10 +19,10 @@ from __future__ import annotations
 import math
 from typing import Iterable, Optional, Sequence
 
-from kvflow.calibrate import DIRECTIONS, configured_thresholds, kind_of
+from kvflow.results.signals import DIRECTIONS, configured_thresholds, kind_of
 from kvflow.report.labels import differing_paths, values_at
-from kvflow.report.runs import Run
-from kvflow.report.tables import mcnemar_exact, wilson
+from kvflow.results.runs import Run
+from kvflow.results.stats import mcnemar_exact, wilson
 
 #: histogram bins of a signal distribution
 BINS = 30

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import kvflow
 from kvflow import jsonfile
-from kvflow.report.runs import Run
+from kvflow.results.runs import Run
 from kvflow.view.data import build_index, run_details
 
 ASSETS = Path(__file__).parent / "assets"

@@ -13,8 +13,10 @@ This module imports no torch: the registry and `kvflow validate` read `HFBackend
 
 from __future__ import annotations
 
+from kvflow.backends.base import Backend
 
-class HFBackend:
+
+class HFBackend(Backend):
     """transformers in-process (CPU or GPU): kvflow's batched decode with a budgeted KV cache.
 
     Registered as backend `hf`; `load()` returns an `HFEngine` (kvflow.backends.hf.decode)."""
@@ -43,8 +45,8 @@ class HFBackend:
         return {}, None
 
     @staticmethod
-    def load(model_cfg):
-        """The engine of the model; model entries that load the very same weights (see
+    def load(model_cfg, *, evicting: bool = True, evictors=None):
+        """The engine of the model (any evictor runs on it); model entries that load the very same weights (see
         `load_model`) share one engine, so their proposers decode in one forward."""
         from kvflow.backends.hf.compat import check_transformers
         from kvflow.errors import UserError

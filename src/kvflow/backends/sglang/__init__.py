@@ -1,18 +1,13 @@
 """The `sglang` backend: full-context and evicted proposers and scorers served by SGLang's engine.
 
-- `engine.py`   the kvflow engine protocol over an SGLang worker (`SGLangEngine`);
-- `worker.py`   the worker process that owns `sglang.Engine` (SGLang kills its parent when
-                one of its processes dies, so that parent is not kvflow's own process);
-- `client.py`   starting and talking to workers, one per set of engine arguments;
-- `plugin.py`   kvflow's SGLang plugin (seeded sampling on every attention backend);
-- `evict.py`    evicted requests inside SGLang's scheduler (kvflow's evictors per request,
-                layer and KV head), registered by the plugin;
-- `settings.py` the engine arguments: defaults per device, a model entry's `engine:`
-                settings checked against SGLang's own server arguments;
-- `loading.py`  an engine for a model entry: its decode profile, one worker per
-                (arguments, profile), the resolved settings checked;
-- `graph.py`    the decode hook's profile, tables and in-graph step (`traffic.py` counts
-                its bytes per step on meta tensors; `replay.py` the CPU proxy for graph replay).
+- `engine.py`    `SGLangEngine`: the served-engine core (`kvflow.backends.served`) with SGLang's
+                 requests (sampling parameters, evicted requests from scheduler snapshots, replicas);
+- `loading.py`   an engine for a model entry: its decode profile, one worker per (arguments,
+                 profile), the resolved settings checked;
+- `settings.py`  the engine arguments: defaults per device, a model entry's `engine:` settings
+                 checked against SGLang's own server arguments (no engine is loaded there);
+- `in_worker/`   what runs inside SGLang's processes: the worker, kvflow's SGLang plugin, the
+                 hooks of evicted requests, the decode graph's step and its profile.
 
 Install: `scripts/install.sh sglang` (docs/backends.md).
 """
@@ -21,12 +16,13 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from kvflow.backends.base import Backend, GpuLayout
 from kvflow.backends.sglang.settings import SUPPORTED_VERSIONS  # noqa: E402 - settings imports nothing heavy
 
 __all__ = ["SGLangBackend", "SUPPORTED_VERSIONS"]
 
 
-class SGLangBackend:
+class SGLangBackend(Backend):
     """SGLang's offline engine in a worker process (GPU, or CPU through kvflow's CPU platform).
 
     Registered as backend `sglang`; `load()` returns an `SGLangEngine`. Runs full-context
@@ -35,6 +31,7 @@ class SGLangBackend:
 
     name = "sglang"
     evicts = True
+    serves_position_values = True  # its radix cache holds each problem's committed prefix
 
     @staticmethod
     def check_evictor(model_cfg, params, evictor_cls=None) -> Optional[tuple[str, str]]:
@@ -66,7 +63,68 @@ class SGLangBackend:
         return {"enable_deterministic_inference": True}, None
 
     @staticmethod
-    def load(model_cfg, evicting: bool = True, evictors=None):
+    def kv_pool_settings(model_cfg, kv_bytes: int, bytes_per_token: float) -> Optional[dict]:
+        """SGLang sizes its token pool at start: `max_total_tokens` = the bytes / KV bytes per
+        token, unless the entry sizes the pool itself (`max_total_tokens`, `mem_fraction_static`)."""
+        from kvflow.backends.sglang.settings import POOL_SETTINGS
+
+        if any(k in (model_cfg.engine or {}) for k in POOL_SETTINGS):
+            return None
+        return {"max_total_tokens": int(kv_bytes // bytes_per_token)}
+
+    @staticmethod
+    def gpu_layout(model_cfg) -> GpuLayout:
+        """tp x dp x pp / nnodes GPUs from `base_gpu_id`, `gpu_id_step` apart, the weights split
+        over tp x pp, and `mem_fraction_static` of each GPU's memory claimed at start."""
+        engine = dict(model_cfg.engine or {})
+
+        def setting(name: str, default: int = 1) -> int:
+            value = engine.get(name)
+            return int(value) if value is not None else default
+
+        tp, dp, pp, nodes = setting("tp_size"), setting("dp_size"), setting("pp_size"), setting("nnodes")
+        fraction = engine.get("mem_fraction_static")
+        return GpuLayout(gpu_count=max(1, tp * dp * pp // max(1, nodes)), weight_shards=max(1, tp * pp),
+                         gpu_id_step=setting("gpu_id_step"), fraction_setting="mem_fraction_static",
+                         fraction=None if fraction is None else float(fraction),
+                         first_gpu_setting="base_gpu_id",
+                         first_gpu=None if engine.get("base_gpu_id") is None else int(engine["base_gpu_id"]),
+                         quantized=bool(engine.get("quantization")))
+
+    @staticmethod
+    def placed_settings(model_cfg, first_gpu: int, fraction: Optional[float]) -> dict:
+        """`base_gpu_id` where the entry set none, and the fraction SGLang must be told."""
+        out: dict = {}
+        if "base_gpu_id" not in (model_cfg.engine or {}):
+            out["base_gpu_id"] = first_gpu
+        if fraction is not None:
+            out["mem_fraction_static"] = fraction
+        return out
+
+    @staticmethod
+    def position_value_settings(model_cfg, head: bool) -> dict:
+        """A PRM's head outputs come back as hidden states, which SGLang keeps for the last
+        chunk of a chunked prefill only: no chunks (a scoring engine only prefills)."""
+        return {"enable_return_hidden_states": True, "chunked_prefill_size": -1} if head else {}
+
+    @staticmethod
+    def describe(model_cfg, *, evicted: dict[str, str], full: list[str], scores: bool) -> list[str]:
+        from kvflow.backends.sglang.settings import COMMON, CPU, EVICTING
+
+        kinds = []
+        if evicted:
+            kinds.append(", ".join(f"{n} evicted ({kind}, per layer and KV head by kvflow's SGLang plugin)"
+                                   for n, kind in evicted.items()))
+        if full or scores:
+            kinds.append((", ".join(full) + " " if full else "") + "full context, prefix kept in its radix cache")
+        return ["SGLang in a worker process; " + "; ".join(kinds) + "; kvflow's defaults: "
+                + ", ".join(f"{k}={v}" for k, v in COMMON.items())
+                + (", " + ", ".join(f"{k}={v}" for k, v in EVICTING.items()) + " (evicted proposers)" if evicted else "")
+                + "; where no GPU also " + ", ".join(f"{k}={v}" for k, v in CPU.items())
+                + " (docs/backends.md, \"Running on GPUs\")"]
+
+    @staticmethod
+    def load(model_cfg, *, evicting: bool = True, evictors=None):
         """The model's engine. `evicting` (kvflow passes it): whether an evicted proposer runs
         on it; a full-context engine gets no kvflow hook at all. `evictors` (kvflow passes
         them): the (class, params) of the evictors it serves, from which its decode hook is

@@ -1,5 +1,5 @@
-"""SGLang engine arguments for a model entry, and the checks on them (loading an
-`SGLangEngine` is `kvflow.backends.sglang.loading`'s).
+"""SGLang engine arguments for a model entry, and the checks on them (nothing is loaded here:
+starting the engine is `kvflow.backends.sglang.loading`'s).
 
 A model entry's `engine:` mapping is passed to `sglang.Engine` as server arguments (tensor
 and data parallel sizes, memory fraction, attention backend, context length, ...), over
@@ -14,7 +14,9 @@ import functools
 import importlib.util
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
+
+from kvflow.backends.served.settings import entry_kwargs, model_problem, refused, reserved_problem
 
 #: kvflow's own settings; the model entry's keys of the same meaning are used instead
 RESERVED = {"model_path": "id", "tokenizer_path": "tokenizer", "dtype": "dtype", "device": "device",
@@ -48,6 +50,9 @@ CPU = {"attention_backend": "torch_native", "disable_cuda_graph": True, "max_tot
 #: tripwire in `evict.py` (a per-row counter the captured ops advance, checked after every
 #: forward) proves every token observed, replayed or not
 EVICTING = {"cuda_graph_config": {"prefill": {"backend": "disabled"}}}
+
+#: settings with which an entry sizes its token pool itself (`run.kv_memory` then sets nothing)
+POOL_SETTINGS = ("max_total_tokens", "mem_fraction_static")
 
 def check_installed() -> Optional[str]:
     if importlib.util.find_spec("sglang") is None:
@@ -152,10 +157,7 @@ def refusal(settings: dict, evicting: bool) -> Optional[tuple[str, str]]:
     rules = [(r, "under kvflow") for r in REFUSED]
     if evicting:
         rules += [(r, "an evicted proposer") for r in REFUSED_EVICTING]
-    for (key, bad, why), what in rules:
-        if key in settings and bad(settings[key]):
-            return (f"engine.{key}", f"`{key}: {settings[key]}` cannot run {what}: {why}")
-    return None
+    return refused(settings, rules)
 
 
 def check_evicting(model_cfg, params, evictor_cls=None) -> Optional[tuple[str, str]]:
@@ -175,7 +177,7 @@ def check_evicting(model_cfg, params, evictor_cls=None) -> Optional[tuple[str, s
 def graph_problem(engine: dict, evictors) -> Optional[tuple[str, str]]:
     """On a GPU with decode graphs on (SGLang's default there): an evictor that observes
     attention with its own observe() cannot run (the captured hook keeps H2O's statistic only)."""
-    from kvflow.backends.sglang.graph import observes_in_graph
+    from kvflow.backends.sglang.in_worker.graph import observes_in_graph
 
     config = engine.get("cuda_graph_config")
     decode = config.get("decode") if isinstance(config, dict) else None
@@ -224,10 +226,10 @@ def check_settings(model_cfg) -> Optional[tuple[str, str]]:
     import difflib
 
     names = server_arg_names()
+    why = reserved_problem(model_cfg.engine or {}, RESERVED)
+    if why:
+        return why
     for key in (model_cfg.engine or {}):
-        if key in RESERVED:
-            own = RESERVED[key]
-            return (f"engine.{key}", f"`{key}` is set by kvflow" + (f" from the model entry's `{own}`" if own else ""))
         if key not in names:
             close = difflib.get_close_matches(key, sorted(names), n=1, cutoff=0.6)
             hint = f"; did you mean '{close[0]}'?" if close else "; `python -m sglang.launch_server --help` lists them"
@@ -236,14 +238,12 @@ def check_settings(model_cfg) -> Optional[tuple[str, str]]:
 
 
 def check_model(model_cfg) -> Optional[str]:
-    from kvflow.models.loading import check_available, resolve_source
+    from kvflow.models.loading import resolve_source
 
-    why = check_available(model_cfg)
+    why = model_problem(model_cfg, "sglang")
     if why:
         return why
     src = resolve_source(model_cfg.id, model_cfg.gguf_file)
-    if src.kind == "gguf" or (src.kind == "dir" and src.gguf_file):
-        return "backend 'sglang' serves transformers directories and catalog models, not GGUF files"
     if src.kind == "dir":
         config = Path(src.ref) / "config.json"
         try:
@@ -259,16 +259,11 @@ def engine_kwargs(model_cfg, evicting: bool = True) -> dict:
     """The `sglang.Engine` arguments of a model entry (its directory must exist): kvflow's
     defaults for the device (and, where the engine serves evicted proposers, for those), under
     the entry's own `engine:` settings."""
-    from kvflow.models.loading import model_directory, resolve_device
+    from kvflow.models.loading import resolve_device
 
     device = resolve_device(model_cfg.device)
-    kwargs: dict[str, Any] = {"model_path": str(model_directory(model_cfg)), "dtype": model_cfg.dtype,
-                              "device": "cpu" if device == "cpu" else "cuda",
-                              "trust_remote_code": bool(model_cfg.trust_remote_code)}
-    if model_cfg.tokenizer:
-        kwargs["tokenizer_path"] = str(model_directory(model_cfg, tokenizer=True))
-    if model_cfg.revision:
-        kwargs["revision"] = model_cfg.revision
+    kwargs = entry_kwargs(model_cfg, model="model_path", tokenizer="tokenizer_path",
+                          device="cpu" if device == "cpu" else "cuda")
     kwargs.update(COMMON)
     if device == "cpu":
         kwargs.update(CPU)

@@ -1,15 +1,13 @@
 """The `vllm` backend: proposers (full-context, and evicted on a CPU) and the `likelihood`,
 `prm` and `llm_judge` scorers served by vLLM's engine, in vLLM's own environment.
 
-- `engine.py`   the kvflow engine protocol over a vLLM worker (`VLLMEngine`);
-- `worker.py`   the worker process that owns vLLM's `LLMEngine`, run by vLLM's interpreter
-                (kvflow is not installed there: it is imported from kvflow's import path);
-- `evict.py`    evicted requests inside the worker (kvflow's budgeted cache beside vLLM's);
-- `evicted.py`  evicted problem states on kvflow's side (snapshots in the worker);
-- `client.py`   starting and talking to workers, one per set of engine arguments;
-- `settings.py` vLLM's interpreter (`KVFLOW_VLLM_PYTHON`, else `.venv-vllm`), the engine
-                arguments of a model entry, and the settings kvflow refuses;
-- `loading.py`  an engine for a model entry.
+- `engine.py`    `VLLMEngine`: the served-engine core (`kvflow.backends.served`) with vLLM's requests;
+- `loading.py`   an engine for a model entry: vLLM's interpreter, one shared worker per set of arguments;
+- `settings.py`  vLLM's interpreter (`KVFLOW_VLLM_PYTHON`, else `.venv-vllm`), the engine
+                 arguments of a model entry, and the settings kvflow refuses;
+- `in_worker/`   what runs inside the worker process, in vLLM's environment: the worker (run by
+                 its path; kvflow is imported from kvflow's import path) and kvflow's evicted
+                 requests inside it (`evict.py`: kvflow's budgeted cache beside vLLM's).
 
 Not built yet, and refused before anything loads: evicted proposers on a GPU or with graphs
 (`check_evictor`) and quantized KV. Install: `scripts/install.sh vllm` (docs/backends.md, "vllm").
@@ -19,19 +17,22 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from kvflow.backends.base import Backend
 from kvflow.backends.vllm.settings import SUPPORTED_VERSIONS  # settings imports nothing heavy
 
 __all__ = ["VLLMBackend", "SUPPORTED_VERSIONS"]
 
 
-class VLLMBackend:
+class VLLMBackend(Backend):
     """vLLM's engine in a worker process started with vLLM's own interpreter.
 
     Registered as backend `vllm`; `load()` returns a `VLLMEngine`. Runs proposers (evicted ones
-    on a CPU, through `evict.py`) and the scorers that need prompt log-probabilities (`likelihood`)."""
+    on a CPU, through `in_worker/evict.py`), the scorers that need prompt log-probabilities
+    (`likelihood`) and per-position values (`prm`, `llm_judge`)."""
 
     name = "vllm"
-    evicts = True  # evicted proposers run through kvflow's hooks in the worker (evict.py)
+    evicts = True  # evicted proposers run through kvflow's hooks in the worker (in_worker/evict.py)
+    serves_position_values = True  # its prefix cache holds each problem's committed prefix
     #: the tiny model kvflow's contract suites run it on (kvflow.testing.engine_parity.contract_arch):
     #: vLLM's CPU attention serves head_dim 32 and up, not the 16 of the default tiny Qwen2
     contract_arch = "qwen2-hd32"
@@ -43,6 +44,24 @@ class VLLMBackend:
         from kvflow.backends.vllm.settings import check_evicting
 
         return check_evicting(model_cfg, params)
+
+    @staticmethod
+    def position_value_settings(model_cfg, head: bool) -> dict:
+        """A PRM on vLLM's pooling runner, pooling every position (vLLM's PRM pools at its step
+        tag, 151651, Qwen's `<extra_0>`, by default), so that any tokenizer's tags are read where
+        kvflow finds them."""
+        return {"runner": "pooling", "pooler_config": {"tok_pooling_type": "ALL"}} if head else {}
+
+    @staticmethod
+    def describe(model_cfg, *, evicted: dict[str, str], full: list[str], scores: bool) -> list[str]:
+        from kvflow.backends.vllm.settings import COMMON, CPU
+
+        return ["vLLM in a worker process (its own environment: .venv-vllm or KVFLOW_VLLM_PYTHON); "
+                "full-context requests in vLLM's blocks (prefix cache on), evicted ones on a CPU in kvflow's "
+                "budgeted cache inside the worker; kvflow's defaults: "
+                + ", ".join(f"{k}={v}" for k, v in COMMON.items())
+                + "; where no GPU also " + ", ".join(f"{k}={v}" for k, v in CPU.items())
+                + " (docs/backends.md, \"vLLM\")"]
 
     @staticmethod
     def check(model_cfg) -> Optional[Any]:
@@ -65,8 +84,8 @@ class VLLMBackend:
         return {"batch_invariant": True}, None
 
     @staticmethod
-    def load(model_cfg):
-        """The model's engine."""
+    def load(model_cfg, *, evicting: bool = True, evictors=None):
+        """The model's engine (one engine serves full-context and evicted requests alike)."""
         from kvflow.backends.vllm.loading import load_engine
 
         return load_engine(model_cfg)

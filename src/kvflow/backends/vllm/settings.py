@@ -18,7 +18,9 @@ import functools
 import os
 import subprocess
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
+
+from kvflow.backends.served.settings import entry_kwargs, model_problem, refused, reserved_problem
 
 #: the environment variable naming vLLM's interpreter (a python inside vLLM's own venv)
 PYTHON_ENV = "KVFLOW_VLLM_PYTHON"
@@ -102,19 +104,11 @@ def installed_version(python: str) -> Optional[str]:
 
 def refusal(settings: dict) -> Optional[tuple[str, str]]:
     """(field, sentence) for the first setting kvflow cannot run under, or None."""
-    for key, bad, why in REFUSED:
-        if key in settings and bad(settings[key]):
-            return (f"engine.{key}", f"`{key}: {settings[key]}` cannot run under kvflow: {why}")
-    return None
+    return refused(settings, [(rule, "under kvflow") for rule in REFUSED])
 
 
 def check_settings(model_cfg) -> Optional[tuple[str, str]]:
-    for key in (model_cfg.engine or {}):
-        if key in RESERVED:
-            own = RESERVED[key]
-            source = f" from `{own}`" if own and "." in own else f" from the model entry's `{own}`" if own else ""
-            return (f"engine.{key}", f"`{key}` is set by kvflow{source}")
-    return refusal(model_cfg.engine or {})
+    return reserved_problem(model_cfg.engine or {}, RESERVED) or refusal(model_cfg.engine or {})
 
 
 def check_evicting(model_cfg, params) -> Optional[tuple[str, str]]:
@@ -136,31 +130,17 @@ def check_evicting(model_cfg, params) -> Optional[tuple[str, str]]:
 
 
 def check_model(model_cfg) -> Optional[str]:
-    from kvflow.models.loading import check_available, resolve_source
-
-    why = check_available(model_cfg)
-    if why:
-        return why
-    src = resolve_source(model_cfg.id, model_cfg.gguf_file)
-    if src.kind == "gguf" or (src.kind == "dir" and src.gguf_file):
-        return "backend 'vllm' serves transformers directories and catalog models, not GGUF files (yet)"
-    return None
+    return model_problem(model_cfg, "vllm")
 
 
 def engine_kwargs(model_cfg) -> dict:
     """The `EngineArgs` of a model entry (its directory must exist): kvflow's defaults for the
     device under the entry's own `engine:` settings."""
-    from kvflow.models.loading import model_directory, resolve_device
+    from kvflow.models.loading import resolve_device
 
-    device = resolve_device(model_cfg.device)
-    kwargs: dict[str, Any] = {"model": str(model_directory(model_cfg)), "dtype": model_cfg.dtype,
-                              "trust_remote_code": bool(model_cfg.trust_remote_code)}
-    if model_cfg.tokenizer:
-        kwargs["tokenizer"] = str(model_directory(model_cfg, tokenizer=True))
-    if model_cfg.revision:
-        kwargs["revision"] = model_cfg.revision
+    kwargs = entry_kwargs(model_cfg, model="model", tokenizer="tokenizer")
     kwargs.update(COMMON)
-    if device == "cpu":
+    if resolve_device(model_cfg.device) == "cpu":
         kwargs.update(CPU)
     kwargs.update(model_cfg.engine or {})
     return kwargs

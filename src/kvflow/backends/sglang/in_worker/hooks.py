@@ -184,7 +184,7 @@ def state() -> dict:
 def register_evicted() -> None:
     """The hooks of evicted requests (an engine that serves them only)."""
     global RUNTIME
-    from kvflow.backends.sglang.evict import KEY, RUNTIME as runtime
+    from kvflow.backends.sglang.in_worker.evict import KEY, RUNTIME as runtime
 
     RUNTIME = runtime
     _KEY[0] = KEY

@@ -1,6 +1,6 @@
 """The vLLM worker: one `vllm` `LLMEngine` in a process of its own, driven over pipes with JSON lines.
 
-    <vllm venv>/bin/python <this file>     # started by kvflow.backends.vllm.client
+    <vllm venv>/bin/python <this file>     # started by kvflow.backends.vllm.loading
 
 It runs in vLLM's own environment (`scripts/install.sh vllm` makes `.venv-vllm`: vLLM's CPU
 build pins a torch that SGLang's cannot share), where kvflow is not installed: this file is run
@@ -12,7 +12,8 @@ The engine steps in this process's own loop: between two `LLMEngine.step()` call
 request that arrived (new requests, aborts), and after each step it streams the new tokens, so
 kvflow's stop rules and pruners see every token and an aborted candidate stops within a step.
 
-Protocol (one JSON value per line; stdin -> requests, stdout -> replies; vLLM's own prints go to stderr):
+Protocol: kvflow's served-engine messages (`kvflow.backends.served.wire`: one JSON value per line;
+stdin -> requests, stdout -> replies; vLLM's own prints go to stderr), with vLLM's extras:
     -> {"engine": kwargs, "paths": [dirs]}       first line: `EngineArgs(**kwargs)`, kvflow's import roots
     <- ["ready", info]                           info: vllm version, the settings vLLM resolved
     -> ["generate", rid, input_ids, params, evict]  params: `SamplingParams` fields (plain values);
@@ -20,12 +21,12 @@ Protocol (one JSON value per line; stdin -> requests, stdout -> replies; vLLM's 
     -> ["kept", rid, snapshot]                   <- ["kept", rid, {keys, values, compactions}]
     <- ["tokens", rid, ids, logprobs, top]       new tokens (deltas): each one's own logprob and its
                                                  top-k [[logprob, id], ...] (temperature 1: raw_logprobs)
-    <- ["end", rid, finish, meta]                finish: "stop" | "length" | "abort"; meta: token counts,
+    <- ["end", rid, finish, meta]                finish: wire.FINISHES; meta: token counts,
                                                  the most KV blocks in use after any step so far (an
                                                  evicted request's: the forwards vLLM recomputed it in)
     -> ["score", rid, input_ids, start]          log-probabilities of input_ids[start:] (prompt logprobs)
     <- ["scored", rid, logprobs, meta]
-    -> ["values", rid, input_ids, start, labels, need]  per-position values (kvflow.backends.position_values):
+    -> ["values", rid, input_ids, start, labels, need]  per-position values (kvflow.backends.served.position_values):
                                                  labels: log p of those tokens at each position in need (one
                                                  one-token request per position, reading the prefix cache);
                                                  labels null: a pooling engine's (a PRM's) logits at every position
@@ -44,17 +45,25 @@ import sys
 import threading
 import traceback
 
+wire = None  # kvflow.backends.served.wire, imported once the first message gave kvflow's import path
+
 
 def _send(out, *msg) -> None:
-    out.write(json.dumps(msg) + "\n")
-    out.flush()
+    wire.write_message(out, msg)
 
 
 def _read(stream, inbox: queue.Queue) -> None:
-    for line in stream:
-        if line.strip():
-            inbox.put(json.loads(line))
-    inbox.put(None)  # the client closed the pipe
+    while True:
+        msg = wire.read_message(stream)
+        inbox.put(msg)
+        if msg is None:  # the client closed the pipe
+            return
+
+
+def _finish(reason: str) -> str:
+    """kvflow's finish word (wire.FINISHES) for vLLM's `finish_reason` (kvflow asks vLLM to stop
+    on EOS tokens only, so "stop" is a stop token)."""
+    return {"stop": wire.STOP_TOKEN, "length": wire.LENGTH, "abort": wire.ABORT}[reason]
 
 
 def resolved_settings(engine) -> dict:
@@ -153,9 +162,9 @@ class _Serve:
         meta = {"prompt_tokens": n_prompt, "cached_tokens": cached, "completion_tokens": self.made.pop(rid),
                 "kv_blocks_peak": self.peak_blocks}
         if live is not None:  # its "cached" tokens are stand-ins skipped on null blocks, not prefix-cache hits
-            meta.update(recomputes=live.recomputes, cached_tokens=0, standins_skipped=cached)
+            meta.update(evicted_recomputes=live.recomputes, cached_tokens=0, standins_skipped=cached)
         if kind == "generate":
-            _send(self.out, "end", rid, finish, meta)
+            _send(self.out, "end", rid, _finish(finish), meta)
 
     def step(self) -> None:
         outputs = self.engine.step()
@@ -274,10 +283,13 @@ class _Serve:
 def main() -> int:
     out = os.fdopen(os.dup(sys.stdout.fileno()), "w")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # vLLM's prints must not reach the pipe
-    first = sys.stdin.readline()
+    global wire
+    first = sys.stdin.readline()  # plain JSON: kvflow's import path is in it
     if not first.strip():
         return 2
     hello = json.loads(first)
+    sys.path.extend(p for p in hello.get("paths") or () if p not in sys.path)  # appended: vLLM's packages win
+    from kvflow.backends.served import wire
     kwargs = dict(hello["engine"])
     kwargs.pop("batch_invariant", None)  # kvflow's: VLLM_BATCH_INVARIANT is in this process's environment
     try:
@@ -287,8 +299,7 @@ def main() -> int:
 
         evicting = None
         if hello.get("paths"):
-            sys.path.extend(p for p in hello["paths"] if p not in sys.path)
-            from kvflow.backends.vllm import evict
+            from kvflow.backends.vllm.in_worker import evict
 
             evict.register()
             evicting = evict.RUNTIME

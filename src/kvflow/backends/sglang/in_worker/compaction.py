@@ -19,7 +19,7 @@ import torch
 from kvflow.components.allocation import hole_index
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvflow.backends.sglang.requests import Live
+    from kvflow.backends.sglang.in_worker.requests import Live
 
 
 class Compaction:

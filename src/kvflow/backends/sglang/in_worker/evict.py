@@ -62,14 +62,14 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-from kvflow.backends.sglang.compaction import Compaction
-from kvflow.backends.sglang.decode import DecodeHost
-from kvflow.backends.sglang.extend import Extend
-from kvflow.backends.sglang.graph import Profile, Tables
-from kvflow.backends.sglang.observing import Observing
-from kvflow.backends.sglang.replay import OpCounter, proxy_from_env
-from kvflow.backends.sglang.requests import KEY, Live, Requests, Snapshot
-from kvflow.backends.sglang.tripwire import Tripwire, TripwireError
+from kvflow.backends.sglang.in_worker.compaction import Compaction
+from kvflow.backends.sglang.in_worker.decode import DecodeHost
+from kvflow.backends.sglang.in_worker.extend import Extend
+from kvflow.backends.sglang.in_worker.graph import Profile, Tables
+from kvflow.backends.sglang.in_worker.observing import Observing
+from kvflow.backends.sglang.in_worker.replay import OpCounter, proxy_from_env
+from kvflow.backends.sglang.in_worker.requests import KEY, Live, Requests, Snapshot
+from kvflow.backends.sglang.in_worker.tripwire import Tripwire, TripwireError
 
 __all__ = ["KEY", "Live", "RUNTIME", "Runtime", "Snapshot", "TripwireError"]
 

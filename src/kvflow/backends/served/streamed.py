@@ -6,7 +6,7 @@ temperature-1 log-probability and top-k log-probabilities. `StreamedRows` (a mix
 arrivals into candidates: after every token the stop rules (EOS, then the delimiter matched
 across token boundaries, then the step's cap), then the pruners on every row still live; a row
 ended by kvflow is handed to the engine's `_stop(row)`, which aborts it in the engine. Entropies
-are estimated and token confidences computed from the top-k (`kvflow.backends.signals`).
+are estimated and token confidences computed from the top-k (`kvflow.backends.served.signals`).
 
 The mixin also queues proposals (`submit`, `busy_rows`, `_admit`: whole proposals, oldest first,
 within `max_rows`). The engine provides `tokenizer`, `vocab_size`, `eos_ids`, `worker` (with
@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
-from kvflow.backends.signals import entropy_estimate, token_confidence
+from kvflow.backends.served.signals import entropy_estimate, token_confidence
 from kvflow.components.base import Candidate, StepTrace
 from kvflow.components.engine import ProposeRequest, delimiter_scan
 

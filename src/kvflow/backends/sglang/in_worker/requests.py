@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import torch
 
-from kvflow.backends.sglang.graph import Tables, observes_in_graph, profile_problem
+from kvflow.backends.sglang.in_worker.graph import Tables, observes_in_graph, profile_problem
 
 KEY = "kvflow_evict"  # the request's opt-in: custom_params[KEY] (evict.py's docstring lists its fields)
 

@@ -106,7 +106,7 @@ def hook_bytes(profile, *, batch: int, seq_len: int, q_heads: int, kv_heads: int
     """Run one layer's `decode_step` for `batch` kvflow rows of `seq_len` slots each on meta
     tensors under a ByteCounter (the last layer of `layers`, which also moves the ring on).
     The tables are made outside the count (once per engine, not per step)."""
-    from kvflow.backends.sglang.graph import Tables, decode_step
+    from kvflow.backends.sglang.in_worker.graph import Tables, decode_step
 
     meta = torch.device("meta")
     req_to_token = torch.zeros(batch + 1, context, dtype=torch.int32, device=meta)

@@ -11,7 +11,7 @@ a request (`max_new_tokens: 0`, `return_hidden_states: True`; the engine needs
 `enable_return_hidden_states`) runs only the tokens the cache does not hold, and what comes
 back as its "hidden states" is the head's logits at each of those positions ([new tokens, 2],
 float32) instead of the body's final hidden states. kvflow keeps the values at cached
-positions itself (`kvflow.backends.position_values.PositionValues`). The LM head SGLang needs
+positions itself (`kvflow.backends.served.position_values.PositionValues`). The LM head SGLang needs
 for the one token it samples is the embedding matrix (a PRM has none; that token is unused),
 so the model costs no more memory than the checkpoint.
 

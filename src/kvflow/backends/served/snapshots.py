@@ -11,15 +11,12 @@ tokens long, so the engine compacts at `hf`'s points. Snapshots kvflow no longer
 dropped with the next request it sends to the replica that holds them (a candidate's only
 once its end has arrived: a drop that reached the engine first would leave it behind).
 
-`SnapshotStates` is a mixin. The engine provides `worker` (`new_rid`, `send`, `poll`,
-`where`), `engine_name` ("SGLang", "vLLM"), `counters`, `encode`, `_take(replies)`,
-`_count_prefix(meta)`, and:
-- `_send_ingest(state, rid, end, spec)`: one request that makes snapshot `s-<rid>` of the state's
-  tokens up to `end` (SGLang: its resident tail and the chunk, `max_new_tokens` 0; vLLM: the
-  whole prefix, `max_tokens` 1, the sampled token unused);
-- `_spec(state, rng_key=, save_as=)` where its plugin needs more than `_common_spec` says;
-- a dispatch that calls `_evicted_end(rid, aborted, made)` when an evicted candidate ends,
-  and fills `_ingests[rid]` with an ingest's end (or error) message.
+`SnapshotStates` is the evicted-state half of `ServedEngine` (`engine.py`), which gives it
+`worker`, `engine_name`, `counters`, `encode`, `_take(replies)` and `_count_meta(meta)`; a backend
+gives `_send_ingest(state, rid, end, spec)` (one request that makes snapshot `s-<rid>` of the
+state's tokens up to `end`: SGLang sends its resident tail and the chunk with `max_new_tokens` 0,
+vLLM the whole prefix with `max_tokens` 1, the sampled token unused) and `_spec(state, rng_key=,
+save_as=)` (what its in-worker code needs beyond `_common_spec`).
 """
 
 from __future__ import annotations
@@ -119,7 +116,7 @@ class SnapshotStates:
                 msg = self._ingests.pop(rid)
                 if msg[0] == "error":
                     raise EngineError(f"{self.worker.where}: {self.engine_name} request failed: {msg[2]}")
-                self._count_prefix(msg[3])
+                self._count_meta(msg[3])
                 if s.snap:
                     self._drop(s.snap)
                 s.snap = "s-" + rid

@@ -37,7 +37,7 @@ import os
 import random
 import time
 
-from kvflow.backends.sglang.hooks import DRAW as _DRAW, NAP as _NAP, SEEDS as _SEEDS, STATE as _STATE  # noqa: E402
+from kvflow.backends.sglang.in_worker.hooks import DRAW as _DRAW, NAP as _NAP, SEEDS as _SEEDS, STATE as _STATE  # noqa: E402
 NAP_MS = 100
 _POOL = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._profile_available_bytes"
 _rng = random.SystemRandom()
@@ -54,11 +54,11 @@ def register() -> None:
     HookRegistry.register(_STATE, _internal_state, HookType.AFTER)
     HookRegistry.register(_POOL, _cpu_pool_budget, HookType.AROUND)
     if os.environ.get("KVFLOW_SGLANG_EVICT"):  # set by the worker for an engine that serves evicted proposers only
-        from kvflow.backends.sglang import hooks
+        from kvflow.backends.sglang.in_worker import hooks
 
         hooks.register_evicted()  # evicted requests (kvflow's evictors per request, layer and KV head)
     if os.environ.get("KVFLOW_SGLANG_PRM") == "1":  # set by the worker for a PRM checkpoint only:
-        from kvflow.backends.sglang import prm_model  # SGLang's model registry imports every model (seconds)
+        from kvflow.backends.sglang.in_worker import prm_model  # SGLang's model registry imports every model (seconds)
 
         prm_model.register()  # Qwen2 process reward models (SGLang has no such class)
 
@@ -77,7 +77,7 @@ def _internal_state(result, controller, *args, **kwargs):
         "evict_hooks": bool(os.environ.get("KVFLOW_SGLANG_EVICT")),
     }
     if out["evict_hooks"]:
-        from kvflow.backends.sglang import hooks
+        from kvflow.backends.sglang.in_worker import hooks
 
         out.update(hooks.state())
     result.internal_state["kvflow"] = out

@@ -23,7 +23,8 @@ from typing import Any, Iterable, Optional
 import yaml
 
 from kvflow.errors import ConfigProblem, UserError
-from kvflow.runtime.results import read_json_object, read_samples as _read_samples
+from kvflow.results.files import read_json_object, read_samples as _read_samples
+from kvflow.results.signals import pruner_owners
 
 CONFIG, MANIFEST, SAMPLES, METRICS = "config.resolved.yaml", "manifest.json", "samples.jsonl", "metrics.json"
 
@@ -176,18 +177,6 @@ def read_samples(path: Path) -> list[dict]:
     return _read_samples(path)
 
 
-def _pruner_owners(config: dict) -> dict[str, list[str]]:
-    """Pruner result names (kind, kind_2... within a proposer) -> proposers they watch."""
-    owners: dict[str, list[str]] = {}
-    for pname, prop in (config.get("proposers") or {}).items():
-        seen: dict[str, int] = {}
-        for p in (prop or {}).get("pruners") or []:
-            kind = str(p.get("kind"))
-            seen[kind] = seen.get(kind, 0) + 1
-            owners.setdefault(kind if seen[kind] == 1 else f"{kind}_{seen[kind]}", []).append(pname)
-    return owners
-
-
 def load_run(path: Path) -> Run:
     path = Path(path)
     if not (path / CONFIG).is_file():
@@ -217,9 +206,9 @@ def _metrics_shape_ok(metrics: dict) -> bool:
 
 def _metrics(records: list[dict], proposers: list[str], config: dict) -> dict:
     """Metrics recomputed from sample records, as `kvflow run` writes them to metrics.json."""
-    from kvflow.runtime.results import compute_metrics
+    from kvflow.results.files import compute_metrics
 
-    return compute_metrics(records, proposers, _pruner_owners(config)) if records else {"n_problems": 0}
+    return compute_metrics(records, proposers, pruner_owners(config)) if records else {"n_problems": 0}
 
 
 def expand_dirs(args: Iterable[str]) -> list[Path]:

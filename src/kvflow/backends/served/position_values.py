@@ -1,7 +1,7 @@
 """Per-position values for `prm` and `llm_judge` on a serving engine (SGLang, vLLM): the
 engine side of the scorers' `PositionValues` contract (issue 26; vLLM: issue 41).
 Candidate steps' token log-probabilities for `likelihood` come from the engines' prompt
-log-probabilities through `kvflow.backends.prompt_logprobs.ScoringSession`.
+log-probabilities through `kvflow.backends.served.prompt_logprobs.ScoringSession`.
 
 The same contract as `hf`'s `PrefixForward`: for each request (problem key, token ids,
 positions), a small head's outputs at those positions, [k, C] float32. Two kinds of head:
@@ -106,22 +106,12 @@ class PositionValues:
         return out
 
     def _ask(self, requests: dict[int, tuple[list[int], Optional[int], list[int]]]) -> dict[int, tuple[int, list]]:
-        engine = self.engine
-        rids = {}
-        for i, (x, start, need) in requests.items():
-            rid = engine.worker.new_rid("v")
-            engine._scores[rid] = None
-            engine.worker.send("values", rid, x, start, self.labels, need)
-            rids[i] = rid
-        engine._wait(lambda: all(engine._scores[r] is not None for r in rids.values()), "scores")
+        order = list(requests)
+        replies = self.engine.ask([("values", x, start, self.labels, need) for x, start, need in requests.values()],
+                                  "scoring")
         out = {}
-        for i, rid in rids.items():
-            msg = engine._scores.pop(rid)
-            if msg[0] == "error":
-                raise EngineError(f"{engine.worker.where}: {engine.engine_name} scoring failed: {msg[2]}")
-            engine._count_prefix(msg[3])
+        for i, (payload, meta) in zip(order, replies):
             self.requests += 1
-            self.tokens_run += (msg[3].get("prompt_tokens") or 0) - (msg[3].get("cached_tokens") or 0)
-            out[i] = (msg[2]["first"], msg[2]["values"])
+            self.tokens_run += (meta.get("prompt_tokens") or 0) - (meta.get("cached_tokens") or 0)
+            out[i] = (payload["first"], payload["values"])
         return out
-

@@ -52,6 +52,8 @@ from typing import Optional
 
 import torch
 
+from kvflow.components.base import observed_statistic
+
 ROWS = int(os.environ.get("KVFLOW_SGLANG_GRAPH_ROWS", "256") or 256)
 ENV = "KVFLOW_SGLANG_EVICT"  # the engine's Profile, JSON: set by the worker for an evicting engine only
 
@@ -119,22 +121,10 @@ def row_width(ev, layers: int, kv_heads: int) -> int:
     return (max(ev.layer_widths(layers, kv_heads)) if ev.varies(layers) else ev.trigger) + 1
 
 
-_H2O = None
-
-
-def accumulated_attention():
-    """H2O's own `observe` (the one statistic the graph keeps): an instance to call it on."""
-    global _H2O
-    if _H2O is None:
-        from kvflow_builtin.evictors.h2o import H2OEvictor
-
-        _H2O = H2OEvictor(H2OEvictor.Params())
-    return _H2O
-
-
 def observes_in_graph(evictor) -> bool:
-    """Can the graph keep this evictor's statistic? Only H2O's (accumulated attention)."""
-    return type(evictor).observe is type(accumulated_attention()).observe
+    """Can the graph keep this evictor's statistic? Only accumulated attention (H2O's), which the
+    evictor declares (`Evictor.observed_statistic`) and the graph computes itself."""
+    return observed_statistic(evictor) == "accumulated_attention"
 
 
 def profile_problem(profile: Profile, ev, layers: int, kv_heads: int, graphs: bool) -> Optional[str]:

@@ -1,19 +1,19 @@
 """The SGLang worker: one `sglang.Engine` in a process of its own, driven over a pipe.
 
-    python -m kvflow.backends.sglang.worker     # started by kvflow.backends.sglang.client
+    python -m kvflow.backends.sglang.in_worker.worker     # started by kvflow.backends.sglang.loading
 
 Why a process of its own: SGLang spawns its scheduler and detokenizer processes and SIGKILLs
 its parent when one of them dies, so the parent must be expendable — a crashed engine then
 costs this worker, and kvflow's own process reports it and can resume.
 
-Protocol (`frames`: 4-byte little-endian length + pickle, stdin → requests, stdout →
-replies; SGLang's own prints go to stderr):
-    → {"engine": kwargs}                      first frame: build the engine
+Protocol: kvflow's served-engine messages (`kvflow.backends.served.wire`: JSON lines, stdin →
+requests, stdout → replies; SGLang's own prints go to stderr), with SGLang's extras:
+    → {"engine": kwargs, "evict": profile}    first line: build the engine (profile: graph.Profile JSON)
     ← ("ready", info)                        info: sglang version, the server args SGLang resolved
     → ("generate", rid, input_ids, sampling_params, top_logprobs[, dp_rank])
                                              dp_rank: the data-parallel replica (SGLang's routed_dp_rank)
     ← ("tokens", rid, ids, logprobs, top)    new tokens as they stream (deltas)
-    ← ("end", rid, finish, meta)             finish: SGLang's finish_reason
+    ← ("end", rid, finish, meta)             finish: wire.FINISHES (from SGLang's finish_reason)
     → ("score", rid, input_ids, start)       log-probabilities of input_ids[start:]
     ← ("scored", rid, logprobs, meta)
     → ("values", rid, input_ids, start, labels, need)  per-position values of the positions not cached
@@ -29,29 +29,11 @@ from __future__ import annotations
 
 import asyncio
 import os
-import pickle
-import struct
 import sys
 import threading
 import traceback
 
-
-def write_frame(stream, obj) -> None:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    stream.write(struct.pack("<I", len(data)) + data)
-    stream.flush()
-
-
-def read_frame(stream):
-    """The next frame, or None at end of stream."""
-    head = stream.read(4)
-    if len(head) < 4:
-        return None
-    (n,) = struct.unpack("<I", head)
-    data = stream.read(n)
-    if len(data) < n:
-        return None
-    return pickle.loads(data)
+from kvflow.backends.served.wire import ABORT, LENGTH, STOP_STRING, STOP_TOKEN, read_message, write_message
 
 
 class _Worker:
@@ -61,7 +43,7 @@ class _Worker:
         self.tasks: dict[str, asyncio.Task] = {}
 
     def send(self, *msg) -> None:
-        write_frame(self.out, msg)
+        write_message(self.out, msg)
 
     async def generate(self, rid, input_ids, sampling_params, top_logprobs, dp_rank=None) -> None:
         sent = 0
@@ -78,9 +60,9 @@ class _Worker:
                               [[(t[0], t[1]) for t in (row or [])] for row in top[sent:len(ids)]])
                     sent = len(ids)
                 if meta.get("finish_reason") is not None:
-                    self.send("end", rid, meta["finish_reason"], _meta(meta))
+                    self.send("end", rid, *finish_of(meta["finish_reason"], _meta(meta)))
                     return
-            self.send("end", rid, {"type": "abort"}, {})
+            self.send("end", rid, ABORT, {})
         except Exception as exc:  # noqa: BLE001 - reported to the client, the worker goes on
             self.send("error", rid, f"{type(exc).__name__}: {exc}")
         finally:
@@ -190,6 +172,19 @@ def merged_state(replicas: list) -> dict:
     return out
 
 
+def finish_of(reason: dict, meta: dict) -> tuple[str, dict]:
+    """kvflow's finish word (wire.FINISHES) for SGLang's `finish_reason`, and the meta (with
+    SGLang's message where it aborted a request itself)."""
+    kind, matched = reason.get("type"), reason.get("matched")
+    if kind == "abort":
+        return ABORT, {**meta, "message": reason.get("message")}
+    if kind == "stop" and isinstance(matched, int):
+        return STOP_TOKEN, meta
+    if kind == "stop" and matched is not None:
+        return STOP_STRING, meta
+    return LENGTH, meta
+
+
 def _meta(meta: dict) -> dict:
     return {k: meta.get(k) for k in ("prompt_tokens", "cached_tokens", "completion_tokens")}
 
@@ -221,17 +216,17 @@ def _is_prm(model_path) -> bool:
 
 def _read_requests(stream, loop, inbox: asyncio.Queue) -> None:
     while True:
-        msg = read_frame(stream)
+        msg = read_message(stream)
         loop.call_soon_threadsafe(inbox.put_nowait, msg)
         if msg is None:
             return
 
 
 def main() -> int:
-    out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    out = os.fdopen(os.dup(sys.stdout.fileno()), "w")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # SGLang's prints must not reach the pipe
-    inp = sys.stdin.buffer
-    first = read_frame(inp)
+    inp = sys.stdin
+    first = read_message(inp)
     if not first:
         return 2
     # the logprobs kvflow promises are the model's own (temperature 1); the plugin seeds rows
@@ -246,9 +241,9 @@ def main() -> int:
 
         engine = sglang.Engine(**first["engine"])
     except BaseException as exc:  # noqa: BLE001 - the client shows it, naming the model entry
-        write_frame(out, ("error", None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"))
+        write_message(out, ("error", None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"))
         return 1
-    write_frame(out, ("ready", {"version": sglang.__version__, "server_args": resolved_settings(engine.server_args)}))
+    write_message(out, ("ready", {"version": sglang.__version__, "settings": resolved_settings(engine.server_args)}))
     worker = _Worker(engine, out)
     inbox: asyncio.Queue = asyncio.Queue()
     threading.Thread(target=_read_requests, args=(inp, worker.loop, inbox), daemon=True).start()

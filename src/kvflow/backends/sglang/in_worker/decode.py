@@ -14,7 +14,7 @@ import contextlib
 
 import torch
 
-from kvflow.backends.sglang.graph import Tables, decode_step
+from kvflow.backends.sglang.in_worker.graph import Tables, decode_step
 
 
 def capturing() -> bool:
