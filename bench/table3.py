@@ -30,7 +30,7 @@ batch-invariant forwards), as `<method>+deterministic`, with its tokens/s over t
 
 Prints one JSON object (and writes it to `--out`). `--engine sglang` runs the same pipelines
 on SGLang (each model's worker pool sized from run.kv_memory by
-kvflow.runtime.compile.kv_memory_engines; CPU time is then not measured: it is the worker's).
+kvflow.runtime.kv_budget.kv_memory_engines; CPU time is then not measured: it is the worker's).
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def pipelines(base: Path, helper: Path, args) -> dict[str, dict]:
 def problem_bytes(loaded, registry) -> int:
     """KV bytes one problem of this pipeline reserves at the longest prompt of its dataset
     (from the models' configs, as `kvflow explain` counts them; the prompt in the base's tokens)."""
-    from kvflow.explain import static_row_costs
+    from kvflow.runtime.kv_budget import static_row_costs
     from kvflow.kv_memory import KVBudget
     from kvflow.runtime.core import load_dataset
     from kvflow.eval.prompts import render_prompt

@@ -156,7 +156,7 @@ def test_worker_pools_are_sized_from_kv_memory(tmp_path):
     `max_total_tokens` = kv_memory / its KV bytes per token, unless its entry sizes the pool
     itself; `auto` leaves SGLang to size it (nothing started here)."""
     from kvflow.config.validate import load_pipeline
-    from kvflow.runtime.compile import kv_memory_engines
+    from kvflow.runtime.kv_budget import kv_memory_engines
 
     path = tiny_pipeline(tmp_path, problems=1, n=2, evictor=EVICTED, extra={
         "models": {"base": {"backend": "sglang"}, "helper": {"backend": "sglang", "engine": {"max_total_tokens": 99}}},

@@ -93,7 +93,7 @@ def test_migrated_runs_keep_their_metrics_hash_and_resume(run, tmp_path):
     records equal their metrics.json, the configuration still hashes to the directory's name
     (a resume finds the same directory), and a resume's load keeps every record."""
     from kvflow.config.validate import config_hash
-    from kvflow.results.runs import _pruner_owners
+    from kvflow.results.signals import pruner_owners
 
     path = RESULTS / run
     config = yaml.safe_load((path / "config.resolved.yaml").read_text())
@@ -101,7 +101,7 @@ def test_migrated_runs_keep_their_metrics_hash_and_resume(run, tmp_path):
     records = read_samples(path / "samples.jsonl")
     assert any(None in trace for r in records for c in r.get("signals", []) for trace in c["signals"].values())
     metrics = json.loads((path / "metrics.json").read_text())
-    again = compute_metrics(records, list(config["proposers"]), _pruner_owners(config))
+    again = compute_metrics(records, list(config["proposers"]), pruner_owners(config))
     for key in ("n_problems", "accuracy", "n_correct", "mean_steps", "mean_output_tokens", "tokens_generated",
                 "step_share", "pruned_fraction", "early_exit_fraction", "degeneration_rate", "finish"):
         assert again[key] == metrics[key], key

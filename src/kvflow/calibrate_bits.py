@@ -43,7 +43,7 @@ class BitsRow:
 
 def _byte_budget(loaded, base: str) -> tuple[int, str]:
     """The base's byte budget: its budget_bytes, else the bytes of its token budget at full precision."""
-    from kvflow.explain import model_shape
+    from kvflow.models.shapes import entry_shape as model_shape
     from kvflow.kv_memory import DTYPE_BYTES, full_token_bytes
 
     pipe = loaded.pipeline
@@ -157,7 +157,7 @@ def calibrate_bits(file, bits: Sequence[int], n_problems: int, *, sets: Sequence
 
 def _budget_tokens(point, base: str) -> Optional[int]:
     """The token budget the byte budget buys for this bit-width (from the model's shape)."""
-    from kvflow.explain import model_shape
+    from kvflow.models.shapes import entry_shape as model_shape
     from kvflow.kv_memory import DTYPE_BYTES, budget_for_bytes
 
     pipe = point.pipeline

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 from kvflow.kv_memory import DTYPE_BYTES
+from kvflow.models.shapes import entry_shape, hub_cached
+from kvflow.runtime.kv_budget import static_row_costs
 from kvflow.backends.base import backend_named
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -91,64 +93,10 @@ def describe_source(model_cfg: Any) -> str:
             return f"local directory {src.ref} (MISSING)"
         what = src.gguf_file or "config.json"
         return f"local directory {src.ref} ({what} {'present' if (d / what).is_file() else 'MISSING'})"
-    cached = _hub_cached(src.ref, "config.json", getattr(model_cfg, "revision", None))
+    cached = hub_cached(src.ref, "config.json", getattr(model_cfg, "revision", None))
     rev = f"@{model_cfg.revision}" if getattr(model_cfg, "revision", None) else ""
     return (f"Hugging Face hub id{rev} ("
             + ("config in the local cache" if cached else "not in the local cache: downloaded on first run") + ")")
-
-
-def _hub_cached(repo: str, filename: str, revision: Optional[str] = None) -> Optional[str]:
-    try:
-        from huggingface_hub import try_to_load_from_cache
-
-        got = try_to_load_from_cache(repo, filename, revision=revision)
-    except Exception:  # noqa: BLE001 - not a valid repo id, or no huggingface_hub
-        return None
-    return got if isinstance(got, str) else None
-
-
-def _preset_for(model_id: str) -> Optional[str]:
-    """A cost preset (paper constants) whose name the hub id's basename starts with, if any."""
-    from kvflow.models.shapes import PRESETS
-
-    base = model_id.rsplit("/", 1)[-1].lower()
-    matches = [p for p in PRESETS if base == p or base.startswith(p + "-")]
-    return max(matches, key=len) if matches else None
-
-
-def model_shape(model_cfg: Any) -> tuple[Optional["ModelShape"], str]:
-    """(shape, note): the model's dimensions from its config when they can be read offline
-    without weights, else (None, why not)."""
-    from kvflow.models.shapes import PRESETS, resolve_shape
-    from kvflow.errors import UserError
-    from kvflow.models.catalog import CatalogError
-    from kvflow.models.loading import resolve_source
-
-    try:
-        src = resolve_source(model_cfg.id, getattr(model_cfg, "gguf_file", None))
-    except CatalogError:
-        return None, "unknown (not a catalog model)"
-    spec = model_cfg.id
-    if src.kind == "hub":
-        cached = _hub_cached(src.ref, "config.json", getattr(model_cfg, "revision", None))
-        if cached:
-            spec = cached
-        else:
-            preset = _preset_for(src.ref)
-            if preset:
-                return PRESETS[preset], f"preset {preset} (config not available offline; paper constants)"
-            return None, "unknown (config not available offline)"
-    elif src.kind == "dir" and src.gguf_file:
-        spec = str(Path(src.ref) / src.gguf_file)
-    try:
-        shape = resolve_shape(spec)
-    except UserError as e:
-        if src.kind == "catalog":
-            return None, f"unknown (catalog model not cached: kvflow models pull {src.ref})"
-        return None, f"unknown ({e.problems[0].message if getattr(e, 'problems', None) else e})"
-    except Exception as e:  # noqa: BLE001 - an unreadable file must not stop `explain`
-        return None, f"unknown (cannot read the model config: {type(e).__name__}: {e})"
-    return shape, shape.source
 
 
 def _varies(evictor: "ComponentSpec") -> bool:
@@ -351,7 +299,7 @@ def explain_lines(loaded: "LoadedPipeline", registry: Optional["Registry"] = Non
     for pname, prop in pipe.proposers.items():
         m = pipe.models[prop.model]
         if prop.model not in shapes:
-            shapes[prop.model] = model_shape(m)
+            shapes[prop.model] = entry_shape(m)
         shape, note = shapes[prop.model]
         evictor = comps.proposers[pname].evictor
         special = getattr(evictor.params, "budget_bytes", None) is not None or getattr(evictor.params, "quantize", None)
@@ -380,67 +328,6 @@ def explain_lines(loaded: "LoadedPipeline", registry: Optional["Registry"] = Non
 
 
 # --------------------------------------------------------------------------- run.kv_memory
-
-
-def static_row_costs(loaded: "LoadedPipeline", shapes: Optional[dict] = None) -> tuple[list, list[str]]:
-    """(RowCost per proposer whose model's shape can be read offline, proposers whose cannot
-    with why), as `kvflow.runtime.compile.kv_budget_for` counts them once the engines load."""
-    from kvflow.kv_memory import budget_for_bytes, row_cost
-
-    pipe, comps = loaded.pipeline, loaded.components
-    shapes = {} if shapes is None else shapes
-    costs, unknown = [], []
-    for pname, prop in pipe.proposers.items():
-        m = pipe.models[prop.model]
-        if prop.model not in shapes:
-            shapes[prop.model] = model_shape(m)
-        shape, note = shapes[prop.model]
-        if shape is None:
-            unknown.append(f"{pname} ({note})")
-            continue
-        dims = (shape.n_layers, shape.n_kv_heads, shape.head_dim, DTYPE_BYTES.get(m.dtype, 2))
-        spec = comps.proposers[pname].evictor
-        params, evictor = spec.params, None
-        if getattr(spec.cls, "bounded", True):
-            try:
-                if getattr(params, "budget_bytes", None) is not None:
-                    params = params.with_budget(budget_for_bytes(params, *dims, evictor_cls=spec.cls))
-                evictor = spec.cls(params)
-                evictor.varies(shape.n_layers)
-            except ValueError as e:
-                unknown.append(f"{pname} (its evictor does not fit this model: {e})")
-                continue
-        costs.append(row_cost(pname, prop.n, params, *dims, evictor=evictor))
-    return costs, unknown
-
-
-def kv_memory_problems(loaded: "LoadedPipeline") -> list:
-    """`run.kv_memory` that not even a problem with an empty prompt fits, found from the
-    models' configs without loading them (`kvflow validate`, and `kvflow run` before it loads
-    anything); proposers whose shape cannot be read offline are checked once loaded."""
-    from kvflow.kv_memory import KV_HINT, KVBudget, kv_refusal, parse_bytes
-
-    value = loaded.pipeline.run.kv_memory
-    if value is None or value == "auto":
-        return []
-    costs, unknown = static_row_costs(loaded)
-    if not costs:
-        return []
-    budget = KVBudget(parse_bytes(value), tuple(costs), loaded.pipeline.limits.max_tokens)
-    smallest = budget.smallest_problem()
-    if smallest <= budget.bound:
-        return []
-    what = "even with an empty prompt" + (f" (not counting {', '.join(unknown)})" if unknown else "")
-    return [loaded.problem("run.kv_memory", kv_refusal(budget, smallest, what), KV_HINT)]
-
-
-def check_kv_memory(loaded: "LoadedPipeline") -> None:
-    """`kv_memory_problems` as a UserError (exit code 2), for the commands that load no model first."""
-    from kvflow.errors import UserError
-
-    problems = kv_memory_problems(loaded)
-    if problems:
-        raise UserError(problems)
 
 
 def kv_admission_lines(loaded: "LoadedPipeline", shapes: Optional[dict] = None) -> list[str]:
@@ -520,7 +407,7 @@ def _with_pool_tokens(placement, models):
 
     pools = {}
     for key, pool in placement.pools.items():
-        shape, _ = model_shape(models[key])
+        shape, _ = entry_shape(models[key])
         if shape is not None:
             tp = int((models[key].engine or {}).get("tp_size") or 1)
             elem = 4 if models[key].dtype == "float32" else 2

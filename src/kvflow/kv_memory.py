@@ -119,6 +119,19 @@ def budget_for_bytes(params: Any, n_layers: int, n_kv_heads: int, head_dim: int,
     raise ValueError(f"budget_bytes {target} holds less than one token ({fp_per_token} bytes per token)")
 
 
+def resolve_evictor(cls: Any, params: Any, n_layers: int, n_kv_heads: int, head_dim: int, elem: int):
+    """An evictor for a model of this shape: (params with any `budget_bytes` turned into its token
+    budget, the evictor built from them), its allocation for `n_layers` checked; ValueError
+    saying what does not fit (too few bytes, budgets the model's layers cannot hold). The one
+    way kvflow resolves an evictor for a model (compile, explain, engines' decode profiles)."""
+    if getattr(params, "budget_bytes", None) is not None:
+        params = params.with_budget(budget_for_bytes(params, n_layers, n_kv_heads, head_dim, elem, evictor_cls=cls))
+    evictor = cls(params)
+    if getattr(evictor, "bounded", True):
+        evictor.allocation(n_layers)
+    return params, evictor
+
+
 # --------------------------------------------------------------------------- run.kv_memory: admission by bytes
 
 #: `run.kv_memory: auto` on a CPU: this fraction of the RAM available when the engines have loaded

@@ -31,7 +31,7 @@ def validate(
     ```
     """
     from kvflow.config.validate import load_pipeline
-    from kvflow.explain import check_kv_memory
+    from kvflow.runtime.kv_budget import refuse_kv_memory
     from kvflow.runtime.compile import check_engine_use
 
     failed = False
@@ -41,7 +41,7 @@ def validate(
             try:
                 loaded = load_pipeline(f, sets=set_ or (), unsets=unset or (), registry=registry)
                 check_engine_use(loaded, registry)
-                check_kv_memory(loaded)
+                refuse_kv_memory(loaded)
             except UserError as e:
                 err(e.format())
                 failed = True

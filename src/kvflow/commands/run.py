@@ -64,7 +64,7 @@ def run(
     ```
     """
     from kvflow.config.validate import load_pipeline
-    from kvflow.explain import check_kv_memory
+    from kvflow.runtime.kv_budget import refuse_kv_memory
     from kvflow.runtime.progress import plain_log
 
     plain_log(log)
@@ -77,7 +77,7 @@ def run(
             code = run_sweep(file, sweep or [], sets=set_ or (), unsets=unset or (), force=force,
                              registry=plugin_registry(), ray_address=ray_address)
             raise typer.Exit(code)
-        check_kv_memory(loaded)  # before any model loads (once loaded, each prompt is checked)
+        refuse_kv_memory(loaded)  # before any model loads (once loaded, each prompt is checked)
         from kvflow.runtime.runner import run_pipeline  # heavy (torch, transformers): only here
 
         code = int(run_pipeline(loaded, force=force, **({"ray_address": ray_address} if ray_address else {})) or 0)

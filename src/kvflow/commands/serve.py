@@ -67,12 +67,12 @@ def serve(
     ```
     """
     from kvflow.config.validate import load_pipeline
-    from kvflow.explain import check_kv_memory
+    from kvflow.runtime.kv_budget import refuse_kv_memory
 
     code = 0
     with errors("kvflow: interrupted"):
         loaded = load_pipeline(file, sets=set_ or (), unsets=unset or (), registry=plugin_registry())
-        check_kv_memory(loaded)  # before any model loads (once loaded, each prompt is checked)
+        refuse_kv_memory(loaded)  # before any model loads (once loaded, each prompt is checked)
         from kvflow.serve.server import serve as serve_  # heavy (torch, fastapi): only here
 
         code = serve_(loaded, plugin_registry(), host=host, port=port, grace=grace, api_key=api_key, record=record,

@@ -242,3 +242,57 @@ def kv_shape(cfg: dict, model_cfg) -> tuple[int, int, int, int]:
     shape an engine's KV cache has (float32: 4 bytes, anything else 2)."""
     shape = shape_from_config(cfg, model_cfg.id)
     return (shape.n_layers, shape.n_kv_heads, shape.head_dim, 4 if model_cfg.dtype == "float32" else 2)
+
+
+# --------------------------------------------------------------------------- a model entry's shape, offline
+
+
+def hub_cached(repo: str, filename: str, revision: Optional[str] = None) -> Optional[str]:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        got = try_to_load_from_cache(repo, filename, revision=revision)
+    except Exception:  # noqa: BLE001 - not a valid repo id, or no huggingface_hub
+        return None
+    return got if isinstance(got, str) else None
+
+
+def _preset_for(model_id: str) -> Optional[str]:
+    """A cost preset (paper constants) whose name the hub id's basename starts with, if any."""
+    base = model_id.rsplit("/", 1)[-1].lower()
+    matches = [p for p in PRESETS if base == p or base.startswith(p + "-")]
+    return max(matches, key=len) if matches else None
+
+
+def entry_shape(model_cfg: Any) -> tuple[Optional[ModelShape], str]:
+    """(shape, note): the model's dimensions from its config when they can be read offline
+    without weights, else (None, why not)."""
+    from kvflow.errors import UserError
+    from kvflow.models.catalog import CatalogError
+    from kvflow.models.loading import resolve_source
+
+    try:
+        src = resolve_source(model_cfg.id, getattr(model_cfg, "gguf_file", None))
+    except CatalogError:
+        return None, "unknown (not a catalog model)"
+    spec = model_cfg.id
+    if src.kind == "hub":
+        cached = hub_cached(src.ref, "config.json", getattr(model_cfg, "revision", None))
+        if cached:
+            spec = cached
+        else:
+            preset = _preset_for(src.ref)
+            if preset:
+                return PRESETS[preset], f"preset {preset} (config not available offline; paper constants)"
+            return None, "unknown (config not available offline)"
+    elif src.kind == "dir" and src.gguf_file:
+        spec = str(Path(src.ref) / src.gguf_file)
+    try:
+        shape = resolve_shape(spec)
+    except UserError as e:
+        if src.kind == "catalog":
+            return None, f"unknown (catalog model not cached: kvflow models pull {src.ref})"
+        return None, f"unknown ({e.problems[0].message if getattr(e, 'problems', None) else e})"
+    except Exception as e:  # noqa: BLE001 - an unreadable file must not stop `explain`
+        return None, f"unknown (cannot read the model config: {type(e).__name__}: {e})"
+    return shape, shape.source

@@ -14,6 +14,8 @@ from typing import Callable
 from kvflow.config.validate import LoadedPipeline
 from kvflow.errors import EngineSettingError, UserError
 from kvflow.backends.base import backend_named
+from kvflow.runtime.kv_budget import (check_allocation, kv_memory_engines, kv_memory_facts, resolve_budget_bytes,
+                                     resolve_kv_memory)
 
 def cpu_hint() -> str:
     """What to run instead on a machine without a pipeline's models: the shipped quickstart,
@@ -245,79 +247,10 @@ def _plan(loaded, pipe, placement, engines, engine_for):
     return plan, engines
 
 
-def kv_budget_for(pipe, proposers, bound: int):
-    """The `KVBudget` of `bound` bytes over compiled `proposers` (each with its engine's KV shape)."""
-    from kvflow.kv_memory import KVBudget, row_cost
-
-    costs = tuple(row_cost(p.name, p.spec.n, p.evictor.params, *p.engine.kv_shape(),
-                           evictor=p.evictor if getattr(p.evictor, "bounded", False) else None) for p in proposers)
-    return KVBudget(bound, costs, pipe.limits.max_tokens)
-
-
-def resolve_kv_memory(loaded: LoadedPipeline, proposers):
-    """`run.kv_memory` as a `KVBudget` over the loaded proposers (None when unset): `auto` read
-    from the base model's device now that the weights are in memory. A bound that not even a
-    problem with an empty prompt fits is refused here, naming the field (before anything is
-    written); a longer prompt that does not fit is refused by `check_kv_memory`."""
-    from kvflow.kv_memory import KV_HINT, auto_kv_memory, kv_refusal, parse_bytes
-
-    pipe = loaded.pipeline
-    value = pipe.run.kv_memory
-    if value is None:
-        return None
-    if value == "auto":
-        bound, how = pools_bytes(proposers) or auto_kv_memory(str(proposers[0].engine.device))
-        if bound < 1:
-            raise UserError(loaded.problem("run.kv_memory", f"auto gives no memory ({how})", "give a byte size"))
-    else:
-        bound = parse_bytes(value)
-    budget = kv_budget_for(pipe, proposers, bound)
-    smallest = budget.smallest_problem()
-    if smallest > bound:
-        raise UserError(loaded.problem("run.kv_memory", kv_refusal(budget, smallest, "even with an empty prompt"),
-                                       KV_HINT))
-    return budget
-
-
-def pools_bytes(proposers):
-    """(bytes, how) of the KV pools SGLang resolved for the engines of `proposers` when every
-    one runs on SGLang (its pool is then `auto`'s bound: the memory SGLang found free after
-    the weights), else None."""
-    from kvflow.kv_memory import full_token_bytes
-
-    engines = {id(p.engine): p.engine for p in proposers}.values()
-    tokens = [int((getattr(e, "resolved", None) or {}).get("max_total_tokens") or 0) for e in engines]
-    if not all(tokens):
-        return None
-    total = 0
-    for e, t in zip(engines, tokens):
-        layers, heads, dim, elem = e.kv_shape()
-        total += t * layers * heads * full_token_bytes(dim, elem)
-    return total, "the KV pools SGLang resolved"
-
-
-def check_kv_memory(loaded: LoadedPipeline, plan, prompts) -> None:
-    """Every prompt of `prompts` ({problem id: prompt text}) fits `run.kv_memory` by itself,
-    else a UserError naming the field and the first problem that does not (before the run
-    writes anything)."""
-    from kvflow.kv_memory import KV_HINT, kv_refusal
-    from kvflow.runtime.scheduler import prompt_tokens
-
-    budget = plan.kv_budget
-    if budget is None:
-        return
-    for pid, prompt in prompts.items():
-        needed = budget.problem_bytes(prompt_tokens(plan, prompt))
-        if needed > budget.bound:
-            raise UserError(loaded.problem("run.kv_memory", kv_refusal(budget, needed, f"for problem {pid}"),
-                                           KV_HINT))
-
-
-
 def engine_facts(plan, engines: dict) -> dict:
     """What `manifest.json` records of a run's loaded engines: the base's device, each
     proposer's KV memory, each model's backend and resolved settings, the GPU placement."""
-    return {"device": plan.proposers[0].engine.device, "kv_memory": kv_memory(plan),
+    return {"device": plan.proposers[0].engine.device, "kv_memory": kv_memory_facts(plan),
             "engines": {k: e.backend for k, e in engines.items()},
             "engine_settings": {k: e.settings() for k, e in engines.items() if hasattr(e, "settings")},
             "placement": plan.placement.to_dict() if plan.placement else None}
@@ -363,36 +296,6 @@ def scorer_engines(loaded: LoadedPipeline) -> LoadedPipeline:
 
 
 #: SGLang settings that size its KV pool: an entry that sets one keeps its own pool under run.kv_memory
-def kv_memory_engines(loaded: LoadedPipeline, registry=None) -> LoadedPipeline:
-    """With `run.kv_memory` in bytes, each model a proposer runs on gets the engine settings its
-    backend gives for a KV pool of that many bytes (`Backend.kv_pool_settings`; SGLang:
-    `max_total_tokens` = kv_memory / the model's KV bytes per token, unless the entry sizes its
-    pool itself): the worker's pool is then the same bound as the scheduler's, and the engine
-    admits candidates into it as slots free, with no room held back by kvflow (the engines
-    decode every admitted problem's rows: no `batch_problems` cap unless it is set). `auto`
-    leaves every engine to size its pool from the free memory."""
-    import dataclasses
-
-    from kvflow.kv_memory import DTYPE_BYTES, parse_bytes
-    from kvflow.models.shapes import kv_bytes_per_token, resolve_shape
-    from kvflow.registry import get_registry
-
-    pipe = loaded.pipeline
-    if pipe.run.kv_memory in (None, "auto"):
-        return loaded
-    registry = registry or get_registry()
-    bound = parse_bytes(pipe.run.kv_memory)
-    models = dict(pipe.models)
-    for key in {p.model for p in pipe.proposers.values()}:
-        m = models[key]
-        try:
-            per_token = kv_bytes_per_token(resolve_shape(m.id), DTYPE_BYTES.get(m.dtype, 2))
-        except (UserError, OSError, ValueError):
-            continue  # a shape not readable here: the engine sizes its pool as it would
-        settings = backend_named(m.backend, registry).kv_pool_settings(m, bound, per_token)
-        if settings:
-            models[key] = m.model_copy(update={"engine": {**(m.engine or {}), **settings}})
-    return dataclasses.replace(loaded, pipeline=pipe.model_copy(update={"models": models}))
 
 
 def batch_invariant(registry, model_cfg) -> tuple:
@@ -420,25 +323,6 @@ def deterministic_problems(loaded: LoadedPipeline, registry=None) -> list:
     return problems
 
 
-def resolve_budget_bytes(loaded: LoadedPipeline, proposer: str, params, kv_shape: tuple[int, int, int, int]):
-    """Evictor params with `budget_bytes` turned into the largest token budget that fits, for a
-    model of kv_shape = (layers, kv_heads, head_dim, bytes per element); others unchanged."""
-    from kvflow.kv_memory import budget_for_bytes
-
-    if getattr(params, "budget_bytes", None) is None:
-        return params
-    where = f"proposers.{proposer}.evictor.budget_bytes"
-    try:
-        cls = loaded.components.proposers[proposer].evictor.cls
-        return params.with_budget(budget_for_bytes(params, *kv_shape, evictor_cls=cls))
-    except ValueError as e:  # too few bytes, or a budget the other parameters do not fit in
-        layers, heads, dim, elem = kv_shape
-        raise UserError([loaded.problem(where, f"{params.budget_bytes} bytes do not give a usable budget for "
-                                               f"this model ({layers} layers x {heads} KV heads x head_dim {dim}, "
-                                               f"{elem} bytes/element): {e}",
-                                        "raise budget_bytes; `kvflow explain` shows the bytes per token")]) from None
-
-
 def resolve_rope_theta(loaded: LoadedPipeline, proposer: str, params, model_id: str):
     """Evictor params whose `rope_theta` field is unset (expected-attention) with the model's
     RoPE base read from its config (the same on every engine); a model without plain RoPE is
@@ -457,42 +341,6 @@ def resolve_rope_theta(loaded: LoadedPipeline, proposer: str, params, model_id: 
         raise UserError([loaded.problem(where, f"{model_id}: {shape.rope_note}; this evictor rotates queries "
                                                "with plain RoPE", "use another evictor for this model")])
     return params.model_copy(update={"rope_theta": shape.rope_theta})
-
-
-def check_allocation(loaded: LoadedPipeline, proposer: str, evictor, num_layers: int) -> None:
-    """An evictor's per-layer budgets for this model (`Evictor.allocation`), or a UserError
-    naming the evictor field (e.g. a PyramidKV budget too small for its window)."""
-    if not getattr(evictor, "bounded", False):
-        return
-    try:
-        evictor.allocation(num_layers)
-    except ValueError as e:
-        raise UserError([loaded.problem(f"proposers.{proposer}.evictor", f"its budgets for this model "
-                                        f"({num_layers} layers) do not work: {e}",
-                                        "raise budget (or buffer), lower window, or (pyramidkv) raise beta")]) from None
-
-
-def kv_memory(plan) -> dict:
-    """Per proposer, the KV bytes one sequence holds (manifest.json `kv_memory`): the token
-    budget (after any budget_bytes conversion), how many kept tokens are quantized and at how
-    many bits, bytes kept after a compaction and bytes allocated (the cache allocates exactly
-    this; tests/test_quant.py checks it against the tensors). A full cache has no bound."""
-    from kvflow.kv_memory import full_token_bytes, layout
-
-    out = {}
-    for p in plan.proposers:
-        layers, heads, dim, elem = p.engine.kv_shape()
-        entry = {"bytes_per_token": layers * heads * full_token_bytes(dim, elem), "budget": None, "n_quantized": 0,
-                 "bits": None, "kept_bytes": None, "peak_bytes": None}
-        if p.evictor.bounded:
-            lay = layout(p.evictor.params, layers, heads, dim, elem, evictor=p.evictor)
-            q = getattr(p.evictor.params, "quantize", None)
-            entry.update(budget=lay.budget, n_quantized=lay.n_quantized, bits=q.bits if q else None,
-                         kept_bytes=lay.kept_bytes, peak_bytes=lay.peak_bytes)
-            if lay.layer_budgets is not None:
-                entry["layer_budgets"] = list(lay.layer_budgets)
-        out[p.name] = entry
-    return out
 
 
 def pruner_owners(loaded: LoadedPipeline) -> dict[str, list[str]]:

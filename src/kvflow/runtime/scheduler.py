@@ -164,7 +164,7 @@ class _Problem:
 
 class ProblemTooLarge(ValueError):
     """A problem whose rows alone need more than run.kv_memory (refused before the run starts
-    by `kvflow.runtime.compile.check_kv_memory`; this is the scheduler's backstop)."""
+    by `kvflow.runtime.kv_budget.refuse_unfitting_prompts`; this is the scheduler's backstop)."""
 
 
 class _Admission:

@@ -22,7 +22,7 @@ import time
 from contextlib import ExitStack
 from typing import Callable, Iterable, Optional
 
-from kvflow.runtime import compile as compile_
+from kvflow.runtime import compile as compile_, kv_budget
 from kvflow.runtime.core import record as make_record, torch_run_settings
 
 
@@ -74,7 +74,7 @@ class Session:
         from kvflow.eval.prompts import render_prompt
 
         template = self.loaded.pipeline.dataset.prompt
-        compile_.check_kv_memory(self.loaded, self.plan, {
+        kv_budget.refuse_unfitting_prompts(self.loaded, self.plan, {
             p.id: render_prompt(template, p.question, self.base.tokenizer) for p in problems})
 
     def fits_alone(self, prompt: str) -> bool:

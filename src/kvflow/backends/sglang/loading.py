@@ -113,7 +113,7 @@ def decode_profile(evictors, kv_shape: tuple[int, int, int, int], tp_size: int =
     `budget_bytes` is turned into its budget here as the compiler will; an evictor whose
     parameters do not work for the model is left out (the compiler refuses it, naming the field)."""
     from kvflow.backends.sglang.in_worker.graph import Profile
-    from kvflow.kv_memory import budget_for_bytes
+    from kvflow.kv_memory import resolve_evictor
 
     if evictors is None:
         return Profile.general()
@@ -121,12 +121,7 @@ def decode_profile(evictors, kv_shape: tuple[int, int, int, int], tp_size: int =
     instances = []
     for cls, params in evictors:
         try:
-            if getattr(params, "budget_bytes", None) is not None:
-                params = params.with_budget(budget_for_bytes(params, *kv_shape, evictor_cls=cls))
-            ev = cls(params)
-            if getattr(ev, "bounded", True):
-                ev.allocation(layers)
-            instances.append(ev)
+            instances.append(resolve_evictor(cls, params, *kv_shape)[1])
         except ValueError:
             continue
     return Profile.of(instances, layers, kv_heads)
