@@ -124,6 +124,7 @@ def test_an_engine_failing_on_its_thread_fails_the_run(tmp_path):
 
 
 def _overlap_of(plan):
-    from kvflow.runtime.scheduler import _Overlap
+    from kvflow.runtime.overlap import Overlap
+    from kvflow.runtime.scheduler import _step
 
-    return _Overlap(plan, None, {id(e): str(i) for i, e in enumerate(plan.engines())})
+    return Overlap(plan, None, {id(e): str(i) for i, e in enumerate(plan.engines())}, _step)

@@ -55,14 +55,16 @@ from __future__ import annotations
 
 import math
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
 from kvflow.components.base import Candidate, Committer, Evictor, Scorer, ScoreRequest, Step, Trajectory
 from kvflow.components.engine import Engine, Proposal, ProposeRequest, SamplingSpec, StartRequest, SyncRequest, row_seed
 from kvflow.config.schema import LimitsConfig
-from kvflow.kv_memory import KVBudget, human_bytes
+from kvflow.kv_memory import KVBudget
+from kvflow.runtime.admission import (Admission, Occupancy, Problem, ProblemTooLarge,  # noqa: F401 - the run's API
+                                      describe_admission, prompt_tokens)
+from kvflow.runtime.overlap import Overlap
 from kvflow.timing import NULL_CLOCK, PhaseClock
 
 
@@ -122,126 +124,6 @@ class Plan:
         return sum(p.spec.n for p in self.proposers if p.engine is engine)
 
 
-@dataclass
-class Occupancy:
-    """Decode rows per forward, per engine, against the plan's bound (filled by `run`)."""
-
-    forwards: dict[str, int] = field(default_factory=dict)
-    rows: dict[str, int] = field(default_factory=dict)
-    bound: dict[str, int] = field(default_factory=dict)
-    overlapped: dict[str, int] = field(default_factory=dict)  # steps run while another engine ran too
-    # run.kv_memory: the bound, and the peaks of the bytes reserved, problems and candidate rows in flight
-    kv: dict[str, int] = field(default_factory=dict)
-
-    def admitted(self, reserved: int, problems: int, rows: int) -> None:
-        kv = self.kv
-        kv["peak_bytes"] = max(kv.get("peak_bytes", 0), reserved)
-        kv["peak_problems"] = max(kv.get("peak_problems", 0), problems)
-        kv["peak_rows"] = max(kv.get("peak_rows", 0), rows)
-
-    def summary(self) -> dict:
-        return {name: {"forwards": f, "mean_rows": round(self.rows[name] / f, 3) if f else 0.0,
-                       "bound": self.bound[name],
-                       "occupancy": round(self.rows[name] / f / self.bound[name], 4) if f else 0.0,
-                       **({"overlapped_steps": self.overlapped[name]} if self.overlapped.get(name) else {})}
-                for name, f in self.forwards.items()}
-
-
-class _Problem:
-    def __init__(self, traj: Trajectory, clock, kv_bytes: int = 0) -> None:
-        self.traj = traj
-        self.kv_bytes = kv_bytes  # what it reserves of run.kv_memory while in flight
-        self.states: dict[str, object] = {}
-        self.proposals: dict[str, Proposal] = {}
-        self.requests: dict[str, ProposeRequest] = {}  # proposals decoding, by proposer (for `cancel`)
-        self.waiting: set[str] = set()
-        self.admit(clock)
-
-    def admit(self, clock) -> None:
-        self.admitted = time.perf_counter()
-        self.phases_at_admission = clock.snapshot()
-
-
-class ProblemTooLarge(ValueError):
-    """A problem whose rows alone need more than run.kv_memory (refused before the run starts
-    by `kvflow.runtime.kv_budget.refuse_unfitting_prompts`; this is the scheduler's backstop)."""
-
-
-class _Admission:
-    """Which problems of the source go in flight next: by count (`Plan.max_live`) and, with
-    `Plan.kv_budget`, by the KV bytes their rows reserve. A problem taken from the source that
-    does not fit yet is held (sources are consumed lazily and cannot take one back) and
-    admitted first once enough problems have ended."""
-
-    def __init__(self, plan: Plan, source, clock, occupancy: Occupancy, cancelled) -> None:
-        self.plan, self.source, self.clock, self.occupancy = plan, source, clock, occupancy
-        self.cancelled = cancelled
-        self.max_live = plan.max_live()
-        self.held: Optional[_Problem] = None
-        self.exhausted = False
-        self.reserved = 0  # bytes of run.kv_memory reserved by the problems in flight
-
-    def next(self, live: list) -> tuple[list, list]:
-        """(problems to start now, problems cancelled before they started)."""
-        admitted, dropped = [], []
-        while self.max_live is None or len(live) + len(admitted) < self.max_live:
-            if self.held is None:
-                if self.exhausted:
-                    break
-                traj = next(self.source, _END)
-                if traj is _END:
-                    self.exhausted = True
-                    break
-                if traj is None:  # nothing ready yet: decode on, ask again after the next step
-                    break
-                self.held = _Problem(traj, self.clock, self._bytes(traj))
-            p = self.held
-            if self.cancelled is not None and self.cancelled(p.traj):  # gone while it waited for room
-                self.held = None
-                dropped.append(p)
-                continue
-            if self.plan.kv_budget is not None and self.reserved + p.kv_bytes > self.plan.kv_budget.bound:
-                if not live and not admitted:
-                    raise ProblemTooLarge(f"problem {p.traj.problem_id} needs {p.kv_bytes} bytes of KV alone, more "
-                                          f"than run.kv_memory {self.plan.kv_budget.bound}")
-                break
-            self.held = None
-            p.admit(self.clock)
-            self.reserved += p.kv_bytes
-            admitted.append(p)
-        if admitted and self.plan.kv_budget is not None:
-            problems = len(live) + len(admitted)
-            self.occupancy.admitted(self.reserved, problems,
-                                    problems * sum(p.spec.n for p in self.plan.proposers))
-        return admitted, dropped
-
-    def ended(self, problems) -> None:
-        for p in problems:
-            self.reserved -= p.kv_bytes
-
-    @property
-    def done(self) -> bool:
-        return self.exhausted and self.held is None
-
-    def _bytes(self, traj: Trajectory) -> int:
-        budget = self.plan.kv_budget
-        return 0 if budget is None else budget.problem_bytes(prompt_tokens(self.plan, traj.prompt))
-
-
-_END = object()
-
-
-def prompt_tokens(plan: Plan, prompt: str) -> dict[str, int]:
-    """A prompt's length in each proposer's tokens (what its full-context rows start from)."""
-    lengths: dict[int, int] = {}
-    out = {}
-    for p in plan.proposers:
-        if id(p.engine) not in lengths:
-            lengths[id(p.engine)] = len(p.engine.encode(prompt))
-        out[p.name] = lengths[id(p.engine)]
-    return out
-
-
 def run(plan: Plan, trajectories: Iterable[Trajectory], on_done: Callable[[Trajectory], None], *,
         timings: Optional[dict[str, dict]] = None, occupancy: Optional[Occupancy] = None,
         on_tick: Optional[Callable[[int], None]] = None,
@@ -262,7 +144,7 @@ def run(plan: Plan, trajectories: Iterable[Trajectory], on_done: Callable[[Traje
         occupancy.bound[names[id(e)]] = bound if bound is not None else plan.room_in_problems() * plan.rows_per_problem(e)
     if plan.kv_budget is not None:
         occupancy.kv["bound"] = plan.kv_budget.bound
-    overlap = _Overlap(plan, clock, names)
+    overlap = Overlap(plan, clock, names, _step)
     try:
         _loop(plan, iter(trajectories), on_done, clock, occupancy, overlap, names, timings, on_tick,
               cancelled, seed_key or _problem_key)
@@ -274,10 +156,10 @@ def _problem_key(traj: Trajectory) -> str:
     return traj.problem_id
 
 
-def _loop(plan: Plan, source, on_done, clock, occupancy: Occupancy, overlap: "_Overlap", names: dict[int, str],
+def _loop(plan: Plan, source, on_done, clock, occupancy: Occupancy, overlap: "Overlap", names: dict[int, str],
           timings: Optional[dict], on_tick, cancelled=None, key=_problem_key) -> None:
-    admission = _Admission(plan, source, clock, occupancy, cancelled)
-    live: list[_Problem] = []
+    admission = Admission(plan, source, clock, occupancy, cancelled)
+    live: list[Problem] = []
     while True:
         admitted, dropped = admission.next(live)
         if dropped:  # cancelled before they started: nothing to release
@@ -340,84 +222,7 @@ def _step(plan: Plan, engine: Engine) -> tuple[list[Proposal], int, int]:
     return finished, engine.forwards - before[0], engine.rows_decoded - before[1]
 
 
-class _Overlap:
-    """Steps the busy engines of one round together (see the module docstring).
-
-    Each computing engine gets one thread of its own for the whole run (a CUDA context and
-    stream stay with it) and steps once per round there; engines that stream (`streams =
-    True`) are stepped on the calling thread, again and again, until every computing engine
-    has finished its step (at least once each). While they run, every engine's `clock` is a
-    private one: the round is one `forward:` phase of the scheduler's clock."""
-
-    def __init__(self, plan: Plan, clock, names: dict[int, str]) -> None:
-        self.clock, self.names = clock, names
-        self.mode = plan.overlap
-        self.threads: dict[int, ThreadPoolExecutor] = {}
-        self.order = {id(e): i for i, e in enumerate(plan.engines())}
-
-    def wanted(self, busy: Sequence[Engine]) -> bool:
-        if self.mode == "off" or len(busy) < 2:
-            return False
-        if self.mode == "on":
-            return True
-        computing = [e for e in busy if not getattr(e, "streams", False)]
-        if len(computing) < len(busy):  # a streaming engine: read it while the others compute
-            return True
-        devices = {str(e.device) for e in computing}
-        return len(devices) == len(computing) and not any(d.startswith("cpu") for d in devices)
-
-    def step(self, plan: Plan, busy: Sequence[Engine]) -> list[tuple]:
-        streaming = [e for e in busy if getattr(e, "streams", False)]
-        computing = [e for e in busy if not getattr(e, "streams", False)]
-        private = {id(e): e.clock for e in busy}
-        label = "+".join(self.names[id(e)] for e in sorted(busy, key=lambda e: self.order[id(e)]))
-        results: dict[int, list] = {id(e): [e, [], 0, 0] for e in busy}
-        with self.clock.phase(f"forward:{label}"):
-            for e in busy:
-                e.clock = NULL_CLOCK
-            try:
-                futures = [self._thread(e).submit(_step, plan, e) for e in computing]
-                reading = list(streaming)
-                while reading:
-                    for e in reading:
-                        finished, forwards, rows = _step(plan, e)
-                        r = results[id(e)]
-                        r[1] += finished
-                        r[2] += forwards
-                        r[3] += rows
-                    # a streaming engine's step waits (briefly) for tokens only while rows decode:
-                    # once its proposals are all handed back it would spin, so it rests
-                    reading = [e for e in reading if e.busy_rows()]
-                    if all(f.done() for f in futures):
-                        break
-                wait(futures)
-                errors = []
-                for e, f in zip(computing, futures):
-                    try:
-                        results[id(e)][1:] = f.result()
-                    except BaseException as exc:  # noqa: BLE001 - re-raised below, once every thread is done
-                        errors.append(exc)
-                if errors:
-                    raise errors[0]
-            finally:
-                for e in busy:
-                    e.clock = private[id(e)]
-        return [tuple(results[id(e)]) for e in busy]
-
-    def _thread(self, engine: Engine) -> ThreadPoolExecutor:
-        pool = self.threads.get(id(engine))
-        if pool is None:
-            name = f"kvflow-{self.names[id(engine)]}"
-            pool = self.threads[id(engine)] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-        return pool
-
-    def close(self) -> None:
-        for pool in self.threads.values():
-            pool.shutdown(wait=True)
-        self.threads.clear()
-
-
-def _cancel_proposing(plan: Plan, live: Sequence[_Problem], cancelled) -> None:
+def _cancel_proposing(plan: Plan, live: Sequence[Problem], cancelled) -> None:
     """Cancelled problems whose proposals are still decoding: on an engine that can stop them
     (the optional `Engine.cancel`) they end now, not at their step's end, so the problem is
     ready and dropped this round; other engines decode them to the step boundary."""
@@ -441,7 +246,7 @@ def _ended(proposal: Proposal) -> None:
     problem.waiting.discard(proposer)
 
 
-def _drop(plan: Plan, problems: Sequence[_Problem], clock) -> None:
+def _drop(plan: Plan, problems: Sequence[Problem], clock) -> None:
     """Cancelled problems at a step boundary: their states and proposals released in every
     engine, their scorer state dropped."""
     with clock.phase("sync"):
@@ -455,7 +260,7 @@ def _drop(plan: Plan, problems: Sequence[_Problem], clock) -> None:
             p.traj.finish = "cancelled"
 
 
-def _start(plan: Plan, problems: Sequence[_Problem], clock, key=_problem_key) -> None:
+def _start(plan: Plan, problems: Sequence[Problem], clock, key=_problem_key) -> None:
     for p in problems:
         t = p.traj
         for prop in plan.proposers:
@@ -473,7 +278,7 @@ def _start(plan: Plan, problems: Sequence[_Problem], clock, key=_problem_key) ->
         _submit(plan, problems, key)
 
 
-def _submit(plan: Plan, problems: Sequence[_Problem], key=_problem_key) -> None:
+def _submit(plan: Plan, problems: Sequence[Problem], key=_problem_key) -> None:
     for prop in plan.proposers:
         requests = []
         for p in problems:
@@ -486,7 +291,7 @@ def _submit(plan: Plan, problems: Sequence[_Problem], key=_problem_key) -> None:
         prop.engine.submit(requests)
 
 
-def _advance(plan: Plan, ready: Sequence[_Problem], clock, key=_problem_key) -> list[_Problem]:
+def _advance(plan: Plan, ready: Sequence[Problem], clock, key=_problem_key) -> list[Problem]:
     """Score, commit and sync every ready problem; resubmit the ones that go on. Returns the
     problems that finished."""
     by_problem = []
@@ -558,7 +363,7 @@ def _keep_candidates(traj: Trajectory, cands: Sequence[Candidate], winner: Optio
                                     "committed": c is winner})
 
 
-def _timing(clock: PhaseClock, p: _Problem) -> dict:
+def _timing(clock: PhaseClock, p: Problem) -> dict:
     wall = time.perf_counter() - p.admitted
     now = clock.snapshot()
     phases = {k: v - p.phases_at_admission.get(k, 0.0) for k, v in now.items()}
@@ -598,12 +403,3 @@ def _finish_if_done(traj: Trajectory, winner: Candidate, limits: LimitsConfig) -
         traj.finish = "cap_tokens"
 
 
-def describe_admission(plan: Plan) -> str:
-    """How problems are admitted, in words (the run's first progress line)."""
-    count = plan.max_live()
-    if plan.kv_budget is None:
-        return f"{plan.batch_problems} per decode batch, {count} in flight"
-    text = f"in flight while their KV fits run.kv_memory {human_bytes(plan.kv_budget.bound)}"
-    if plan.batch_problems is not None:
-        text += f", {plan.batch_problems} per decode batch"
-    return text + (f", at most {count}" if count is not None else "")
