@@ -22,14 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
 import time
 from datetime import datetime, timezone
 
 import torch
 
 
-from hot_path import _Tok  # noqa: E402 - bench/ is on sys.path when run as a script: the same stand-in tokenizer
+from _common import StandInTokenizer, cpu_model  # noqa: E402 - bench/ is on sys.path
 
 
 def build(dtype, layers: int):
@@ -40,14 +39,6 @@ def build(dtype, layers: int):
                                    tie_word_embeddings=True)
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except Exception:  # noqa: BLE001 - best effort
-        return platform.processor()
 
 
 def measure(runner, rows: int, n: int, steps: int, prompt: int) -> dict:
@@ -106,7 +97,7 @@ def main(argv=None):
     if dtype == "auto":
         flags = open("/proc/cpuinfo").read() if platform.system() == "Linux" else ""
         dtype = "bfloat16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "float32"
-    runner = HFRunner(build(getattr(torch, dtype), args.layers), _Tok())
+    runner = HFRunner(build(getattr(torch, dtype), args.layers), StandInTokenizer())
     runner.eos_ids = set()
     meta = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "cpu": cpu_model(),
             "threads": torch.get_num_threads(), "dtype": dtype, "layers": args.layers, "vocab": 151936,

@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
 from datetime import datetime, timezone
 
 import torch
+from _common import machine_line  # noqa: E402 - bench/ is on sys.path
 
 TEXT = (
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
@@ -320,7 +320,7 @@ def main(argv=None):
     runner = load_runner(args)
     out = {
         "command": " ".join(sys.argv), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, device {runner.device}",
+        "machine": f"{machine_line()}, {torch.get_num_threads()} torch threads, device {runner.device}",
         "torch": torch.__version__, "model": args.model, "dtype": args.dtype,
     }
     print(f"# evictor overhead: {args.model} ({args.dtype}) on {out['machine']}, {out['date']}")

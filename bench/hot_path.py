@@ -31,6 +31,7 @@ import resource
 import time
 
 import torch
+from _common import StandInTokenizer  # noqa: E402 - bench/ is on sys.path
 
 SHAPES = {  # hidden, heads, kv_heads, intermediate (Qwen2.5-Math-7B / -1.5B configs)
     "7b": (3584, 28, 4, 18944),
@@ -47,22 +48,6 @@ def model(shape: str, layers: int, vocab: int, dtype):
                                    max_position_embeddings=32768, tie_word_embeddings=False)
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
-
-
-class _Tok:  # a stand-in tokenizer: token i's text is "a" (no delimiter, no EOS)
-    eos_token_id = None
-
-    def __len__(self):
-        return 8
-
-    def decode(self, ids, **kw):
-        return "a" * len(ids)
-
-    def batch_decode(self, ids, **kw):
-        return ["a" for _ in ids]
-
-    def __call__(self, text, **kw):
-        return {"input_ids": [5] * len(text)}
 
 
 def make_cache(runner, evictor, n_rows: int, length: int, dtype):
@@ -110,10 +95,10 @@ def run_case(case: str, impl: str, args) -> dict:
     problems, n = args.problems, args.n
     evicted, full = evictors()
     if case == "paper":
-        runners = {"base": HFRunner(model("7b", args.layers, args.vocab, dtype), _Tok()),
-                   "helper": HFRunner(model("1.5b", args.layers, args.vocab, dtype), _Tok())}
+        runners = {"base": HFRunner(model("7b", args.layers, args.vocab, dtype), StandInTokenizer()),
+                   "helper": HFRunner(model("1.5b", args.layers, args.vocab, dtype), StandInTokenizer())}
     else:
-        shared = HFRunner(model("1.5b", args.layers, args.vocab, dtype), _Tok())
+        shared = HFRunner(model("1.5b", args.layers, args.vocab, dtype), StandInTokenizer())
         runners = {"base": shared, "helper": shared}
     for r in runners.values():
         r.eos_ids = set()

@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from datetime import datetime, timezone
 
 import torch
+from _common import machine_line  # noqa: E402 - bench/ is on sys.path
 
 
 def _count(prof, inside: str | None = None) -> tuple[int, int]:
@@ -105,7 +105,7 @@ def main():
     ap.add_argument("--evictor", default="rkv")
     args = ap.parse_args()
     torch.manual_seed(0)
-    print(f"# {datetime.now(timezone.utc).isoformat(timespec='seconds')} {platform.machine()} torch {torch.__version__} "
+    print(f"# {datetime.now(timezone.utc).isoformat(timespec='seconds')} {machine_line()} torch {torch.__version__} "
           f"{torch.get_num_threads()} threads")
     rows = []
     for p in [int(x) for x in args.problems.split(",")]:

@@ -48,7 +48,7 @@ def main() -> None:
     from kvflow.runtime.scheduler import Occupancy, run
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from sglang_engine import _cpu  # noqa: E402 - the same machine record
+    from _common import cpu_model  # noqa: E402 - the same machine record
 
     if args.tiny_base:
         import tempfile
@@ -66,7 +66,7 @@ def main() -> None:
         tok = plan.proposers[0].engine.tokenizer
         return [Trajectory(p.id, p.question, render_prompt(pipe.dataset.prompt, p.question, tok)) for p in problems]
 
-    out = {"pipeline": args.pipeline, "sets": sets, "problems": len(problems), "machine": _cpu(),
+    out = {"pipeline": args.pipeline, "sets": sets, "problems": len(problems), "machine": cpu_model(),
            "date": time.strftime("%Y-%m-%d"), "command": " ".join(["python"] + sys.argv)}
     committed, runs = {}, []
     for mode in args.modes.split(","):

@@ -24,6 +24,7 @@ import time
 from datetime import datetime, timezone
 
 import torch
+from _common import cpu_model  # noqa: E402 - bench/ is on sys.path
 
 SHAPES = {  # hidden, heads, kv_heads, intermediate, layers (the real configs)
     "7b": (3584, 28, 4, 18944, 28),
@@ -125,7 +126,7 @@ def main():
     summary = timing_summary([{"timing": t} for t in timings.values()])
     out = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "host": platform.node(),
-        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor(),
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else cpu_model(),
         "torch": torch.__version__, "args": vars(args), "load_s": round(t_load, 1), "wall_s": round(wall, 2),
         "problems": len(trajs), "problems_per_min": round(len(trajs) / wall * 60, 2),
         "tokens_generated": generated, "tokens_per_s": round(generated / wall, 1),

@@ -21,12 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from _common import machine_line  # noqa: E402 - bench/ is on sys.path
 
 
 def tiny_prm(directory: Path, hidden: int, layers: int) -> Path:
@@ -96,7 +96,7 @@ def main() -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     lengths = [int(x) for x in args.lengths.split(",")]
     directory = tiny_prm(Path(tempfile.mkdtemp(prefix="kvflow-bench-prm-")), args.hidden, args.layers)
-    out = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+    out = {"machine": machine_line(), "cpus": os.cpu_count(),
            "torch": torch.__version__, "model": f"random Qwen2 PRM, hidden {args.hidden}, {args.layers} layers, float32",
            "candidates": args.candidates, "results": {}}
     for engine in args.engines.split(","):

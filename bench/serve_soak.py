@@ -38,7 +38,8 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 
-from serve_throughput import free_port, machine, stream_one, tiny
+from _common import machine_line
+from serve_throughput import free_port, stream_one, tiny
 
 #: the server under tracemalloc: the first SIGUSR1 starts tracing (once the models are loaded:
 #: tracing a model's loading would take minutes), each later one dumps a snapshot to
@@ -170,7 +171,7 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="kvflow-soak-"))
     pipeline = tiny(workdir, problems=4, max_tokens=args.max_tokens)
     env = dict(item.split("=", 1) for item in args.env)
-    result = {"bench": "serve_soak", "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "machine": machine(),
+    result = {"bench": "serve_soak", "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "machine": machine_line(),
               "load_average": os.getloadavg(), "max_tokens": args.max_tokens,
               "plain": soak(pipeline, args.requests, False, args.frames, workdir, env, args.samples)}
     if args.tracemalloc:

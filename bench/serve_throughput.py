@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import socket
 import subprocess
 import sys
@@ -48,6 +47,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
+from _common import machine_line  # noqa: E402 - bench/ is on sys.path
 
 KVFLOW = [sys.executable, "-c", "from kvflow.cli import main; main()"]
 
@@ -331,15 +331,6 @@ def serve_levels(path: Path, name: str, messages, levels, soak: int, client_proc
         log.close()
 
 
-def machine() -> str:
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-        return f"{fields.get('Model name', '?').strip()}, {fields.get('CPU(s)', '?').strip()} CPUs"
-    except OSError:
-        return platform.processor() or platform.machine()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pipeline", type=Path, help="a pipeline file (default: kvflow.testing's tiny one)")
@@ -380,7 +371,7 @@ def main() -> None:
         lv["run_same_live"] = same_live[lv["concurrency"]]
         lv["vs_run_same_live"] = round(lv["problems_per_min"] / same_live[lv["concurrency"]]["problems_per_min"], 3)
     result = {"bench": "serve_throughput", "command": " ".join(["python"] + sys.argv),
-              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
+              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine_line(),
               "load_avg": os.getloadavg(), "pipeline": str(args.pipeline or "kvflow.testing tiny (bench.jsonl)"),
               "run": run, "serve": levels, **({"soak": soak} if soak else {})}
     args.out.parent.mkdir(parents=True, exist_ok=True)

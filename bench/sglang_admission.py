@@ -42,19 +42,19 @@ def main() -> None:
     from kvflow.testing.engine_parity import shared_model_dir
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from sglang_evicted import _never_stop_at_eos, _prompt  # noqa: E402 - the same prompt and EOS rule
+    from _common import dataset_prompts, never_stop_at_eos  # noqa: E402 - the same prompt and EOS rule
 
     model = args.model or str(shared_model_dir())
     engine = SGLangBackend.load(ModelConfig(backend="sglang", id=model, dtype=args.dtype, device=args.device,
                                             engine={"max_total_tokens": args.pool}))
-    _never_stop_at_eos(engine)
+    never_stop_at_eos(engine)
     reg = get_registry()
     rkv = reg.get("evictors", "rkv")
     none = reg.get("evictors", "none")
     runs = {}
     for label, ev in (("rkv", rkv(rkv.Params(budget=args.budget, buffer=args.buffer, window=4))),
                       ("full", none(none.Params()))):
-        (state,) = engine.start([StartRequest(_prompt(engine), ev, 1)])
+        (state,) = engine.start([StartRequest(dataset_prompts(engine, 1)[0], ev, 1)])
         engine.submit([ProposeRequest(state, "base", SamplingSpec(args.n, 0.0, 1.0, args.tokens, "\x00\x01"), 0,
                                       10**6)])
         t0, done, sizes = time.perf_counter(), [], []
@@ -67,7 +67,7 @@ def main() -> None:
                        "wall_s": round(wall, 2), "tok_per_s": round(args.n * args.tokens / wall, 1)}
         print(label, runs[label], flush=True)
     out = {"model": model, "dtype": args.dtype, "pool_tokens": args.pool, "n": args.n, "tokens": args.tokens,
-           "budget": args.budget, "buffer": args.buffer, "prompt_tokens": len(engine.encode(_prompt(engine))),
+           "budget": args.budget, "buffer": args.buffer, "prompt_tokens": len(engine.encode(dataset_prompts(engine, 1)[0])),
            "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "runs": runs,
            "peak_batch_ratio": round(runs["rkv"]["peak_running"] / runs["full"]["peak_running"], 2)}
     print(json.dumps(out, indent=1))

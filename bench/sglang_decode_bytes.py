@@ -27,6 +27,7 @@ import torch
 
 from kvflow.backends.sglang.in_worker.graph import Profile, row_width
 from kvflow.backends.sglang.in_worker.traffic import ByteCounter, attention_pass_bytes, hook_bytes
+from _common import machine_line  # noqa: E402 - bench/ is on sys.path
 
 SHAPES = {"qwen2.5-7b": (28, 28, 4, 128), "qwen2.5-1.5b": (28, 12, 2, 128), "qwen2.5-72b-tp4": (80, 16, 2, 128)}
 EVICTORS = ("rkv", "snapkv", "h2o", "ada-snapkv")
@@ -147,11 +148,10 @@ def main() -> int:
                 print(line, flush=True)
     walls = wall(args, get_registry()) if args.wall else None
     if args.json:
-        import platform
         import time as _time
 
         with open(args.json, "w") as f:
-            json.dump({"command": " ".join(sys.argv), "date": _time.strftime("%Y-%m-%d"), "machine": platform.machine(),
+            json.dump({"command": " ".join(sys.argv), "date": _time.strftime("%Y-%m-%d"), "machine": machine_line(),
                        "rows": rows, "cpu_wall": walls}, f, indent=1)
     return 0
 

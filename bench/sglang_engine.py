@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import platform
 import sys
 import time
+from _common import cpu_model, dataset_prompts, machine_line  # noqa: E402 - bench/ is on sys.path
 
 
 def main() -> None:
@@ -50,9 +49,9 @@ def main() -> None:
     sg = SGLangBackend.load(ModelConfig(backend="sglang", **cfg))
     sg_start = time.perf_counter() - t0
     hf = HFBackend.load(ModelConfig(**cfg))
-    problems = load_dataset_prompts(hf, args.problems)
-    out: dict = {"model": args.model, "dtype": args.dtype, "machine": platform.processor() or platform.machine(),
-                 "cpu": _cpu(), "threads": threads, "date": time.strftime("%Y-%m-%d"), "sglang_start_s": round(sg_start, 1),
+    problems = dataset_prompts(hf, args.problems)
+    out: dict = {"model": args.model, "dtype": args.dtype, "machine": machine_line(),
+                 "cpu": cpu_model(), "threads": threads, "date": time.strftime("%Y-%m-%d"), "sglang_start_s": round(sg_start, 1),
                  "command": " ".join(sys.argv)}
 
     # 1-3: greedy steps, parity, prefix cache
@@ -134,15 +133,6 @@ def main() -> None:
     print(json.dumps(out, indent=1))
 
 
-def load_dataset_prompts(engine, n: int) -> list[str]:
-    from kvflow.eval.datasets import load_problems
-
-    problems = load_problems("gsm8k", limit=n)
-    return [engine.tokenizer.apply_chat_template(
-        [{"role": "user", "content": p.question + "\nPlease reason step by step, and put your final answer within \\boxed{}."}],
-        tokenize=False, add_generation_prompt=True) for p in problems]
-
-
 def _errors(err: list[float], exact: list[float]) -> dict:
     if not err:
         return {}
@@ -150,16 +140,6 @@ def _errors(err: list[float], exact: list[float]) -> dict:
     return {"tokens": len(err), "mean_abs": round(sum(err) / len(err), 5), "p95_abs": round(err_sorted[int(0.95 * (len(err) - 1))], 5),
             "max_abs": round(err_sorted[-1], 5), "mean_exact": round(sum(exact) / len(exact), 4),
             "mean_rel": round(sum(e / max(x, 1e-6) for e, x in zip(err, exact)) / len(err), 5)}
-
-
-def _cpu() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "?"
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ def main() -> None:
     from kvflow.registry import get_registry
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from sglang_engine import _cpu  # noqa: E402 - the same machine record
+    from _common import cpu_model, dataset_prompts, never_stop_at_eos  # noqa: E402 - the same machine record
 
     threads = int(os.environ.get("OMP_NUM_THREADS", "2"))
     torch.set_num_threads(threads)
@@ -74,7 +74,7 @@ def main() -> None:
         evictors[kind] = cls(cls.Params(budget=args.budget, buffer=args.buffer))
     full = reg.get("evictors", "none")(reg.get("evictors", "none").Params())
     out: dict = {"model": args.model, "dtype": args.dtype, "n": args.n, "evictor": args.evictor,
-                 "budget": args.budget, "buffer": args.buffer, "cpu": _cpu(), "machine": platform.machine(),
+                 "budget": args.budget, "buffer": args.buffer, "cpu": cpu_model(), "machine": platform.machine(),
                  "threads": threads, "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "runs": {}}
     cfg = lambda backend: ModelConfig(backend=backend, id=args.model, dtype=args.dtype, device=args.device)  # noqa: E731
     labels = []
@@ -95,8 +95,8 @@ def main() -> None:
                                      evictors=[(type(ev), ev.params)] if label != "full" else [])
             else:
                 engine = loader.load(cfg(backend))
-            prompt = _prompt(engine)
-            _never_stop_at_eos(engine)
+            prompt = dataset_prompts(engine, 1)[0]
+            never_stop_at_eos(engine)
             _warm(engine, prompt, full if label == "full" or backend != "sglang" or args.shared_engine else ev)
             result = run(engine, prompt, ev, args.n, lengths)
             out.setdefault("rounds", []).append({"round": r, "run": f"{tag}/{label}", **result})
@@ -147,27 +147,6 @@ def run(engine, prompt: str, evictor, n: int, lengths: list[int]) -> dict:
     return {"checkpoints": points, "finish": sorted({c.finish for c in done[0].candidates})}
 
 
-def _never_stop_at_eos(engine) -> None:
-    """Every run decodes to the same length: a greedy full-context candidate would end its
-    answer with EOS long before an evicted one (which degenerates). Benchmark-only: the
-    engines' EOS rule is switched off here (hf: its EOS table; SGLang: `ignore_eos` on every
-    request this engine sends)."""
-    import torch
-
-    if engine.backend == "hf":
-        engine._eos = torch.tensor([-1], dtype=torch.long)
-        return
-    engine.eos_ids = set()
-    send = engine.worker.send
-
-    def send_ignoring_eos(*msg):
-        if msg[0] == "generate":
-            msg = msg[:3] + ({**msg[3], "ignore_eos": True},) + msg[4:]
-        return send(*msg)
-
-    engine.worker.send = send_ignoring_eos
-
-
 def _tokens_so_far(engine, done) -> int:
     """Tokens every candidate has made so far (the slowest row), read from the engine's tables."""
     if done:
@@ -196,12 +175,6 @@ def _warm(engine, prompt: str, full) -> None:
     (state,) = engine.start([StartRequest(prompt, full, 0)])
     props = run_to_end(engine, [ProposeRequest(state, "base", SamplingSpec(2, 0.0, 1.0, 8, "\x00\x01"), 0, 100)])
     engine.release([state], props)
-
-
-def _prompt(engine) -> str:
-    from sglang_engine import load_dataset_prompts  # bench/ is on sys.path (main)
-
-    return load_dataset_prompts(engine, 1)[0]
 
 
 if __name__ == "__main__":

@@ -29,12 +29,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from _common import machine_line  # noqa: E402 - bench/ is on sys.path
 
 
 def model_dir(layers: int) -> Path:
@@ -108,7 +108,7 @@ def main() -> None:
     results = []
     for hooks in args.hooks.split(","):
         results += measure(hooks, path, evictors, rows, args.tokens)
-    print(f"\nlayers {args.layers}; {platform.processor() or platform.machine()}; {time.strftime('%Y-%m-%d')}; "
+    print(f"\nlayers {args.layers}; {machine_line()}; {time.strftime('%Y-%m-%d')}; "
           f"{' '.join(sys.argv)}\n")
     print("| evictor | rows | hook ops, old | hook ops, new | forward ops, old | forward ops, new "
           "| plan ops, old / new | host ops per step (mean), old / new |")

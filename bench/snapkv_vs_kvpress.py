@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -44,6 +43,7 @@ import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from _common import machine_line  # noqa: E402 - bench/ is on sys.path
 
 HERE = Path(__file__).resolve().parent
 KVPRESS_PYTHON = HERE / "kvpress" / ".venv" / "bin" / "python"
@@ -326,7 +326,7 @@ def both(args, argv):
         sys.exit(f"{KVPRESS_PYTHON} missing: run `bash bench/kvpress/setup.sh` first")
     ids = make_ids(args)
     meta = {"command": " ".join(["python", "bench/snapkv_vs_kvpress.py"] + list(argv if argv is not None else sys.argv[1:])),
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.machine(),
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine_line(),
             "cpus": os.cpu_count(), "load_before": os.getloadavg(), "prompt_tokens": len(ids)}
     print(f"# SnapKV kvflow vs kvpress: {args.model}, prompt {len(ids)} tokens, {args.tokens} new, budget "
           f"{args.budget}, interval {args.interval}, window {args.window}, {args.threads} thread(s), "

@@ -22,12 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from datetime import datetime, timezone
 
 import torch
+from _common import machine_line  # noqa: E402 - bench/ is on sys.path
 
 
 def parse_args(argv=None):
@@ -121,7 +121,7 @@ def main(argv=None):
     lens = [len(runner.encode(t)) for t in texts]
     out = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-           "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
+           "machine": f"{machine_line()}, {torch.get_num_threads()} torch threads",
            "load_before": os.getloadavg(), "torch": torch.__version__, "model": args.model, "dtype": args.dtype,
            "batch": args.batch, "tokens": args.tokens, "prompt_tokens": lens, "max_step_tokens": args.max_step_tokens}
     print(f"# step loop vs generate: {args.model} ({args.dtype}), batch {args.batch}, {args.tokens} tokens, "

@@ -49,7 +49,7 @@ def main() -> None:
 
     sys.path.insert(0, str(Path(__file__).parent))
     import sglang_evicted  # noqa: E402 - the same scenario
-    from sglang_engine import _cpu  # noqa: E402 - the same machine record
+    from _common import cpu_model, dataset_prompts, never_stop_at_eos  # noqa: E402 - the same machine record
 
     from kvflow.backends.base import backend_named
     from kvflow.config.schema import ModelConfig
@@ -66,7 +66,7 @@ def main() -> None:
     kv_bytes_per_token = _kv_bytes_per_token(args.model, args.dtype)
     out: dict = {"model": args.model, "dtype": args.dtype, "n": args.n, "evictor": args.evictor,
                  "budget": args.budget, "buffer": args.buffer, "tight_tokens": args.tight_tokens,
-                 "kv_bytes_per_token": kv_bytes_per_token, "cpu": _cpu(), "machine": platform.machine(),
+                 "kv_bytes_per_token": kv_bytes_per_token, "cpu": cpu_model(), "machine": platform.machine(),
                  "threads": threads, "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
                  "load_before": os.getloadavg(), "runs": {}}
     sglang_evicted._kv_held = _kv_held  # vLLM has no pool query: report SGLang's slots only
@@ -79,8 +79,8 @@ def main() -> None:
                 engine = backend_named(backend, reg).load(cfg, evicting=evicting,
                                                    evictors=[(type(ev), ev.params)] if evicting else [])
                 try:
-                    prompt = sglang_evicted._prompt(engine)
-                    sglang_evicted._never_stop_at_eos(engine)
+                    prompt = dataset_prompts(engine, 1)[0]
+                    never_stop_at_eos(engine)
                     sglang_evicted._warm(engine, prompt, full)
                     result = sglang_evicted.run(engine, prompt, ev, args.n, lengths)
                     result["engine_settings"] = settings
