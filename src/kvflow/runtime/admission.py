@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from kvflow.components.base import Trajectory
 from kvflow.components.engine import Proposal, ProposeRequest
 from kvflow.kv_memory import human_bytes
 
-if TYPE_CHECKING:  # pragma: no cover
-    from kvflow.runtime.scheduler import Plan
+from kvflow.runtime.plan import Plan
 
 
 @dataclass

@@ -213,7 +213,7 @@ def _plan(loaded, pipe, placement, engines, engine_for):
     """The proposers, scorer and committer of `build_plan` over its engines."""
     from kvflow.components.base import ScorerContext
     from kvflow.components.engine import SamplingSpec
-    from kvflow.runtime.scheduler import Plan, Proposer
+    from kvflow.runtime.plan import Plan, Proposer
 
     proposers = []
     for name, cfg in pipe.proposers.items():

@@ -206,7 +206,7 @@ def refuse_unfitting_prompts(loaded: LoadedPipeline, plan, prompts) -> None:
     else a UserError naming the field and the first problem that does not (before the run
     writes anything)."""
     from kvflow.kv_memory import KV_HINT, kv_refusal
-    from kvflow.runtime.scheduler import prompt_tokens
+    from kvflow.runtime.admission import prompt_tokens
 
     budget = plan.kv_budget
     if budget is None:

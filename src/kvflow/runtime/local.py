@@ -12,7 +12,7 @@ import time
 from kvflow.config.validate import LoadedPipeline
 from kvflow.errors import UserError
 from kvflow.runtime.core import append_record, manifest, merge_occupancy, say
-from kvflow.runtime.scheduler import describe_admission
+from kvflow.runtime.admission import describe_admission
 from kvflow.results.files import ResultsDir
 
 HEARTBEAT_S = 10.0  # seconds between "in flight" lines when no problem has finished

@@ -5,13 +5,12 @@ engines that stream (decode in a worker process) are read as their tokens arrive
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 from kvflow.components.engine import Engine
 from kvflow.timing import NULL_CLOCK
 
-if TYPE_CHECKING:  # pragma: no cover
-    from kvflow.runtime.scheduler import Plan
+from kvflow.runtime.plan import Plan
 
 
 class Overlap:

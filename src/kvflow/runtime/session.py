@@ -42,7 +42,7 @@ class Session:
         import torch
 
         from kvflow.eval.grading import Grader
-        from kvflow.runtime.scheduler import Occupancy
+        from kvflow.runtime.admission import Occupancy
 
         pipe = self.loaded.pipeline
         self._stack.enter_context(torch_run_settings(pipe.run))
@@ -79,7 +79,7 @@ class Session:
 
     def fits_alone(self, prompt: str) -> bool:
         """Whether a problem with this prompt fits `run.kv_memory` by itself (always, without it)."""
-        from kvflow.runtime.scheduler import prompt_tokens
+        from kvflow.runtime.admission import prompt_tokens
 
         budget = self.plan.kv_budget
         return budget is None or budget.problem_bytes(prompt_tokens(self.plan, prompt)) <= budget.bound

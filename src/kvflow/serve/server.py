@@ -124,7 +124,7 @@ def serve(loaded: LoadedPipeline, registry, *, host: str = "127.0.0.1", port: in
         server = _make_server(config, loop, grace)
         holder["server"] = server
         loop.start()
-        from kvflow.runtime.scheduler import describe_admission
+        from kvflow.runtime.admission import describe_admission
 
         say(quiet, f"serving {pipe.name} on http://{host}:{port}/v1 ({describe_admission(session.plan)}, "
                    f"{pipe.serve.queue} queued"

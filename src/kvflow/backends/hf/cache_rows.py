@@ -5,15 +5,12 @@ query window, H2O's statistic) moving with its row. A mixin: the cache holds the
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from kvflow.backends.hf.quant import QuantizedStore
 from kvflow.backends.hf.rows import RowState, new_rows
-
-if TYPE_CHECKING:  # pragma: no cover
-    from kvflow.backends.hf.cache import BudgetedCache
 
 _GROW = 256  # capacity granule for unbounded (full-KV) caches
 
@@ -58,7 +55,7 @@ class CacheRows:
     def n_rows(self) -> int:
         return int(self.rows.lengths.shape[0])
 
-    def select(self, rows: torch.Tensor | Sequence[int]) -> "BudgetedCache":
+    def select(self, rows: torch.Tensor | Sequence[int]) -> "CacheRows":
         """A new cache holding copies of the given rows (fork a row N ways by repeating it)."""
         rows = torch.as_tensor(rows, dtype=torch.long)
         capacity = self.capacity
@@ -134,7 +131,7 @@ class CacheRows:
                 if layer.is_initialized:
                     layer._grow(self.capacity)
 
-    def copy_rows(self, dst: torch.Tensor, src: "BudgetedCache", src_rows: torch.Tensor) -> None:
+    def copy_rows(self, dst: torch.Tensor, src: "CacheRows", src_rows: torch.Tensor) -> None:
         """Rows `src_rows` of `src` (same evictor and model) written over rows `dst` of this
         cache, storage and bookkeeping (a fork: `src_rows` repeats one row). A bounded cache
         copies whole rows (so nothing of a row's previous occupant survives, e.g. H2O
@@ -194,7 +191,7 @@ class CacheRows:
                 put(d_layer.queries, s_layer.queries)
 
     @classmethod
-    def cat(cls, caches: Sequence["BudgetedCache"]) -> "BudgetedCache":
+    def cat(cls, caches: Sequence["CacheRows"]) -> "CacheRows":
         """Rows of several caches (same evictor and model) in one cache."""
         first = caches[0]
         capacity = max(c.capacity for c in caches)
