@@ -38,14 +38,27 @@ stdin -> requests, stdout -> replies; vLLM's own prints go to stderr), with vLLM
 
 from __future__ import annotations
 
-import json
+import importlib.util
 import os
 import queue
 import sys
 import threading
 import traceback
+from pathlib import Path
 
-wire = None  # kvflow.backends.served.wire, imported once the first message gave kvflow's import path
+
+def _load_wire():
+    """kvflow's wire format (`kvflow/backends/served/wire.py`, standard library only), loaded from
+    its file: no directory of kvflow's environment joins the import path before vLLM has
+    imported itself (its optional imports, torchvision's say, must not find kvflow's builds)."""
+    path = Path(__file__).resolve().parents[2] / "served" / "wire.py"
+    spec = importlib.util.spec_from_file_location("kvflow_served_wire", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+wire = _load_wire()
 
 
 def _send(out, *msg) -> None:
@@ -283,13 +296,9 @@ class _Serve:
 def main() -> int:
     out = os.fdopen(os.dup(sys.stdout.fileno()), "w")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # vLLM's prints must not reach the pipe
-    global wire
-    first = sys.stdin.readline()  # plain JSON: kvflow's import path is in it
-    if not first.strip():
+    hello = wire.read_message(sys.stdin)
+    if not hello:
         return 2
-    hello = json.loads(first)
-    sys.path.extend(p for p in hello.get("paths") or () if p not in sys.path)  # appended: vLLM's packages win
-    from kvflow.backends.served import wire
     kwargs = dict(hello["engine"])
     kwargs.pop("batch_invariant", None)  # kvflow's: VLLM_BATCH_INVARIANT is in this process's environment
     try:
@@ -298,7 +307,8 @@ def main() -> int:
         from vllm.v1.engine.llm_engine import LLMEngine
 
         evicting = None
-        if hello.get("paths"):
+        if hello.get("paths"):  # appended once vLLM is imported: its own packages win
+            sys.path.extend(p for p in hello["paths"] if p not in sys.path)
             from kvflow.backends.vllm.in_worker import evict
 
             evict.register()
