@@ -111,13 +111,13 @@ def engine_use_problems(loaded: LoadedPipeline, registry=None) -> list:
 
 def place_models(loaded: LoadedPipeline, gpus=None):
     """(loaded with each used model entry's GPU set, the Placement or None): `device: auto`
-    entries get GPUs by kvflow's placement rule (kvflow.placement), and models that do not fit
+    entries get GPUs by kvflow's placement rule (kvflow.planning.placement), and models that do not fit
     are refused (UserError naming the field) before anything loads. `gpus`: [(index, total
     bytes)], None for this machine's CUDA GPUs; without GPUs nothing changes (auto is the CPU).
     `loaded.resolved` (and so the run's config hash) is left as written."""
     import dataclasses
 
-    from kvflow.placement import cuda_devices, place_pipeline
+    from kvflow.planning.placement import cuda_devices, place_pipeline
 
     gpus = cuda_devices() if gpus is None else gpus
     if not gpus:
