@@ -226,7 +226,7 @@ class EngineContract:
 
     def entropy_tolerance(self, engine) -> dict:
         """An engine that estimates entropies (from top-k logprobs) says so and stays close."""
-        return dict(abs=1e-3) if getattr(engine, "exact_entropy", True) else dict(rel=0.02, abs=0.02)
+        return dict(abs=1e-3) if engine.exact_entropy else dict(rel=0.02, abs=0.02)
 
     # ------------------------------------------------------------------ tests
 
@@ -255,7 +255,7 @@ class EngineContract:
         """The full cache, or an evicting one (skips the test on an engine that does not evict)."""
         if kind == "full":
             return full_cache()
-        if not getattr(engine, "evicts", True):
+        if not engine.evicts:
             pytest.skip(f"the {engine.backend} engine runs full-context proposers only")
         return _evicting(budget)
 
@@ -580,7 +580,7 @@ class EngineContract:
 
         def candidates(seed, others=0):
             prompts = [self.prompt(reference, 1)] + [self.prompt(reference, i % 3) for i in range(others)]
-            ev = _evicting(8) if getattr(engine, "evicts", True) else full_cache()
+            ev = _evicting(8) if engine.evicts else full_cache()
             states = engine.start([StartRequest(p, ev, 9) for p in prompts])
             reqs = [ProposeRequest(s, "base", spec, seed + 100 * j, 100) for j, s in enumerate(states)]
             proposals = run_to_end(engine, reqs)
