@@ -20,13 +20,13 @@ LAYERS = [
     ("models", ["kvflow.models"]),
     ("config", ["kvflow.config", "kvflow.eval"]),
     ("backends", ["kvflow.backends"]),
-    ("planning", ["kvflow.demands", "kvflow.placement"]),
+    ("planning", ["kvflow.planning.demands", "kvflow.planning.placement"]),
     ("built-in components", ["kvflow_builtin"]),
     ("results", ["kvflow.results"]),
     ("runtime", ["kvflow.runtime"]),
     ("readers and services", ["kvflow.report", "kvflow.view", "kvflow.serve", "kvflow.testing"]),
-    ("commands", ["kvflow.commands", "kvflow.cli", "kvflow.explain", "kvflow.sweep", "kvflow.calibrate",
-                  "kvflow.calibrate_bits", "kvflow.doctor", "kvflow.cost", "kvflow.schema"]),
+    ("commands", ["kvflow.commands", "kvflow.cli", "kvflow.tools.explain", "kvflow.tools.sweep", "kvflow.tools.calibrate",
+                  "kvflow.tools.calibrate_bits", "kvflow.tools.doctor", "kvflow.tools.cost", "kvflow.tools.json_schema"]),
 ]
 #: inside backends/, the rooms each backend room may import: a backend imports the core
 #: (base, served), never another backend
@@ -130,6 +130,13 @@ def circles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 def test_every_module_is_in_a_layer():
     assert [m for m in modules() if _rank(m, LAYERS)[0] < 0] == []
+
+
+def test_the_top_level_holds_foundations_only():
+    """src/kvflow/'s own modules are the foundations (and the CLI's entry point): commands' work
+    is in kvflow.tools, planning in kvflow.planning, every other layer a package of its own."""
+    top = [m for m, path in modules().items() if path.parent == SOURCES["kvflow"] and path.name != "__init__.py"]
+    assert sorted(m for m in top if _rank(m, LAYERS)[1] != "foundations") == ["kvflow.cli"]
 
 
 def test_no_module_imports_a_layer_above_its_own():

@@ -28,7 +28,7 @@ def test_calibrate_bits_end_to_end(tmp_path):
     # the same bytes buy more tokens at 4 bits: 32 quantized (48 bytes per token and head,
     # scales included) + 4 full precision (128) = 2048 bytes per (layer, KV head)
     assert rows[16]["budget_tokens"] == 16 and rows[4]["budget_tokens"] == 36
-    # the rule (kvflow.calibrate_bits.choose), from the rows: accuracy, then fewer length caps, then fewer bits
+    # the rule (kvflow.tools.calibrate_bits.choose), from the rows: accuracy, then fewer length caps, then fewer bits
     expected = sorted(rows.values(), key=lambda r: (-r["accuracy"], r["length_cap_rate"], r["bits"]))[0]["bits"]
     assert report["chosen_bits"] == expected
     calib_ids = set(report["calibration"]["ids"])

@@ -10,7 +10,7 @@ import random
 import pytest
 import yaml
 
-from kvflow.calibrate import analyse, calibrate, configured_thresholds, kind_of, valley_threshold
+from kvflow.tools.calibrate import analyse, calibrate, configured_thresholds, kind_of, valley_threshold
 from kvflow.errors import UserError
 from kvflow.results.files import ResultsDir
 

@@ -210,6 +210,6 @@ def test_duplicate_component_across_distributions(tmp_path):
 @pytest.mark.parametrize("bits", ["5", "4,x", ","])
 def test_calibrate_bits_refuses_a_bit_width_it_cannot_use(cli, bits):
     """Checked before anything runs (exit 2 naming --bits): the quick tier's test of
-    kvflow.calibrate_bits (its end-to-end run is tests/test_breadthkv_e2e.py)."""
+    kvflow.tools.calibrate_bits (its end-to-end run is tests/test_breadthkv_e2e.py)."""
     r = cli("calibrate-bits", VALID, "--bits", bits)
     assert r.exit_code == 2 and f"--bits {bits}:" in r.stderr and "Traceback" not in r.output

@@ -7,7 +7,7 @@ import struct
 
 import pytest
 
-from kvflow.cost import cost_rows, parse_lengths
+from kvflow.tools.cost import cost_rows, parse_lengths
 from kvflow.models.shapes import PRESETS, decode_flops, kv_bytes, kv_bytes_per_token, resolve_shape, shape_from_config
 from kvflow.errors import UserError
 
@@ -136,7 +136,7 @@ def test_cost_command_does_not_import_torch():
     import subprocess
     import sys
 
-    code = ("import sys; from kvflow.cost import cost_command; "
+    code = ("import sys; from kvflow.tools.cost import cost_command; "
             "cost_command(['qwen2.5-math-7b'], budget=64, buffer=64, lengths='1k', helper=None, png=None, echo=lambda s: None); "
             "assert 'torch' not in sys.modules and 'matplotlib' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, capture_output=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from conftest import REPO
 
-from kvflow import doctor
+from kvflow.tools import doctor
 
 
 def test_doctor_passes_here_and_shows_a_pipelines_pools(cli):

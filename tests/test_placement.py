@@ -1,4 +1,4 @@
-"""GPU placement for `device: auto` (kvflow.placement; docs/backends.md "Placement on several
+"""GPU placement for `device: auto` (kvflow.planning.placement; docs/backends.md "Placement on several
 GPUs"), checked on stand-in device lists: no GPU, no model loaded, no network."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from conftest import REPO
 from kvflow.config import load_pipeline
 from kvflow.config.schema import ModelConfig
 from kvflow.errors import UserError
-from kvflow.placement import (CAPACITY_SHARE, HF_HEADROOM, parse_gpus, pipeline_demands, place, place_pipeline)
+from kvflow.planning.placement import (CAPACITY_SHARE, HF_HEADROOM, parse_gpus, pipeline_demands, place, place_pipeline)
 from kvflow.runtime.compile import build_plan, place_models, used_models
 
 GB = 10**9
@@ -186,7 +186,7 @@ def test_gpu_lists_for_explain():
 
 
 def test_explain_shows_the_placement(tmp_path):
-    from kvflow.explain import explain_command
+    from kvflow.tools.explain import explain_command
 
     lines: list[str] = []
     explain_command(PAPER_72B, gpus="8x80", echo=lines.append)
@@ -200,11 +200,11 @@ def test_explain_shows_the_placement(tmp_path):
 def test_kvflow_run_asks_this_machine_for_its_gpus(monkeypatch):
     """`place_models(loaded)` (what build_plan and the manifest use) reads the GPUs from torch:
     none here (a CPU machine) leaves every entry as written; a stand-in list places them."""
-    import kvflow.placement
+    import kvflow.planning.placement
 
     loaded = load_pipeline(PAPER_72B)
-    monkeypatch.setattr(kvflow.placement, "cuda_devices", lambda: gpus(8))
+    monkeypatch.setattr(kvflow.planning.placement, "cuda_devices", lambda: gpus(8))
     placed, placement = place_models(loaded)
     assert placed.pipeline.models["base"].device == "cuda:0" and placement.to_dict()["models"]["base"]["gpus"] == [0, 1, 2, 3]
-    monkeypatch.setattr(kvflow.placement, "cuda_devices", lambda: [])
+    monkeypatch.setattr(kvflow.planning.placement, "cuda_devices", lambda: [])
     assert place_models(loaded) == (loaded, None)

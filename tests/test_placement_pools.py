@@ -17,7 +17,7 @@ from conftest import REPO
 
 from kvflow.config import load_pipeline
 from kvflow.errors import UserError
-from kvflow.placement import PROCESS_OVERHEAD, place_pipeline
+from kvflow.planning.placement import PROCESS_OVERHEAD, place_pipeline
 from kvflow.runtime.compile import used_models
 
 GB = 80 * 10**9
@@ -51,7 +51,7 @@ def _replay(placement, models, starts):
 
 
 def _demands(models, keys):
-    from kvflow.placement import pipeline_demands
+    from kvflow.planning.placement import pipeline_demands
 
     return pipeline_demands(models, keys)
 

@@ -21,7 +21,7 @@ PIPELINES = sorted(p for p in (REPO / "pipelines").rglob("*") if p.suffix in (".
 @pytest.fixture(scope="module")
 def schema():
     from kvflow.registry import Registry
-    from kvflow.schema import pipeline_schema
+    from kvflow.tools.json_schema import pipeline_schema
 
     s = pipeline_schema(Registry.from_entry_points())
     jsonschema.Draft202012Validator.check_schema(s)
@@ -122,7 +122,7 @@ def test_third_party_params_are_in_the_schema():
     import kvflow_builtin
 
     from kvflow.registry import Registry
-    from kvflow.schema import pipeline_schema
+    from kvflow.tools.json_schema import pipeline_schema
 
     reg = Registry.from_plugins([("builtin", kvflow_builtin), ("tp", ThirdParty())])
     s = pipeline_schema(reg)

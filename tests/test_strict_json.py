@@ -113,7 +113,7 @@ def test_migrated_runs_keep_their_metrics_hash_and_resume(run, tmp_path):
 
 def test_calibrate_reads_migrated_signals(tmp_path):
     """`kvflow calibrate` over a migrated run (null before warm-up) proposes what it committed."""
-    from kvflow.calibrate import calibrate
+    from kvflow.tools.calibrate import calibrate
 
     path = RESULTS / "repro/calib/cpu_kv_rescue__e7bf3366"
     reports, _ = calibrate(path, out=tmp_path, plots=False)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvflow.errors import UserError
-from kvflow.sweep import expand, load_points, parse_sweeps, short_names, split_values, with_file_axes
+from kvflow.tools.sweep import expand, load_points, parse_sweeps, short_names, split_values, with_file_axes
 
 REPO = Path(__file__).resolve().parents[1]
 QUICK = REPO / "pipelines" / "quickstart.yaml"

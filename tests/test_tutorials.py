@@ -193,7 +193,7 @@ def check_kvflow(args: list[str], env: dict, expect: int, sandbox: Path) -> None
     from kvflow.cli import app
     from kvflow.config import load_pipeline
     from kvflow.registry import get_registry
-    from kvflow.sweep import load_points, parse_sweeps
+    from kvflow.tools.sweep import load_points, parse_sweeps
 
     command, params = parse_cli(args)
     with environment(env), contextlib.chdir(sandbox):

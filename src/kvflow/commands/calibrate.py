@@ -33,7 +33,7 @@ def calibrate(
     kvflow calibrate results/quickstart__<hash>
     ```
     """
-    from kvflow.calibrate import calibrate as run_calibrate
+    from kvflow.tools.calibrate import calibrate as run_calibrate
 
     with errors():
         dirs = {}
@@ -74,7 +74,7 @@ def calibrate_bits(
     force: bool = typer.Option(False, "--force", help="Rerun bit-widths whose results directory is complete."),
 ) -> None:
     """Pick the quantized base's bit-width by accuracy at one byte budget, on problems disjoint from the evaluation split."""
-    from kvflow.calibrate_bits import FULL_PRECISION, calibrate_bits as run_calibrate_bits
+    from kvflow.tools.calibrate_bits import FULL_PRECISION, calibrate_bits as run_calibrate_bits
 
     with errors("kvflow: interrupted; finished problems are saved, run the same command again to resume"):
         try:

@@ -32,7 +32,7 @@ def cost(
     kvflow cost qwen2.5-math-7b --helper qwen2.5-math-1.5b --budget 64 --buffer 128 --lengths 1k,4k,16k
     ```
     """
-    from kvflow.cost import cost_command
+    from kvflow.tools.cost import cost_command
 
     with errors():
         cost_command(models, budget=budget, buffer=buffer, lengths=lengths, helper=helper, png=png,

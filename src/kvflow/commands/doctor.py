@@ -1,5 +1,5 @@
 """`kvflow doctor`: whether kvflow works on this machine (versions, devices, engines, a tiny
-model through each engine, a pipeline's placement); the logic is in kvflow.doctor."""
+model through each engine, a pipeline's placement); the logic is in kvflow.tools.doctor."""
 
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ def doctor(
     kvflow doctor pipelines/sglang/kv_rescue.yaml --gpus 1x80
     ```
     """
-    from kvflow.doctor import run_doctor
-    from kvflow.placement import parse_gpus
+    from kvflow.tools.doctor import run_doctor
+    from kvflow.planning.placement import parse_gpus
 
     with errors():
         devices = parse_gpus(gpus) if gpus else None

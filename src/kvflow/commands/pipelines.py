@@ -82,7 +82,7 @@ def explain(
     kvflow explain pipelines/sglang/gpu/kv_rescue_72b.yaml --gpus 8x80
     ```
     """
-    from kvflow.explain import explain_command
+    from kvflow.tools.explain import explain_command
 
     with errors():
         explain_command(file, sets=set_ or (), unsets=unset or (), registry=plugin_registry(), echo=typer.echo, gpus=gpus)
@@ -106,7 +106,7 @@ def schema(
     kvflow schema --output pipeline.schema.json
     ```
     """
-    from kvflow.schema import schema_command
+    from kvflow.tools.json_schema import schema_command
 
     with errors():
         schema_command(output, registry=plugin_registry(), echo=typer.echo)

@@ -1,5 +1,5 @@
 """`kvflow run`: a pipeline over its dataset, or a sweep of them, into results directories
-(kvflow.runtime.runner; with `--sweep`, kvflow.sweep)."""
+(kvflow.runtime.runner; with `--sweep`, kvflow.tools.sweep)."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def run(
     with errors("kvflow: interrupted; finished problems are saved, run the same command again to resume"):
         loaded = None if sweep else load_pipeline(file, sets=set_ or (), unsets=unset or (), registry=plugin_registry())
         if sweep or loaded.pipeline.sweep:
-            from kvflow.sweep import run_sweep
+            from kvflow.tools.sweep import run_sweep
 
             code = run_sweep(file, sweep or [], sets=set_ or (), unsets=unset or (), force=force,
                              registry=plugin_registry(), ray_address=ray_address)

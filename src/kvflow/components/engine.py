@@ -147,7 +147,9 @@ _WARNED_PROTOCOL: set[str] = set()
 def check_protocol(engine: object, *, once: bool = True) -> None:
     """At load: an engine of an older protocol than this kvflow's runs, with a FutureWarning
     (once per backend and process, unless `once=False`) that says what it lacks and where the changes are listed;
-    one of an unknown or newer protocol than this kvflow knows is refused (ValueError)."""
+    one of an unknown or newer protocol than this kvflow knows is refused (ValueError). An engine
+    that does not subclass `EngineBase` is given the optional members it lacks (`adopt_defaults`)."""
+    adopt_defaults(engine)
     version = protocol_of(engine)
     backend = getattr(engine, "backend", type(engine).__name__)
     try:
@@ -292,6 +294,59 @@ class SyncRequest:
     text: str  # the committed step
 
 
+class EngineBase:
+    """The optional members of the engine protocol, with what an engine that does not define
+    them means. kvflow's engines subclass it; an engine that does not is given these defaults
+    when it loads (`adopt_defaults`, from `check_protocol`), so that kvflow reads every member
+    of every engine directly, never probing for it."""
+
+    protocol = "0.1"  # the engine protocol it was written to (see "Versions")
+    evicts = True  # False: full-context proposers only
+    exact_entropy = True  # False: entropies estimated (from top-k log-probabilities); the contract suite adapts
+    streams = False  # True: its decoding runs on its own (another process), `step()` reads what arrived ("Overlap")
+
+    def settings(self) -> dict:
+        """What it runs under, as resolved on this machine (`manifest.json` `engine_settings`)."""
+        return {}
+
+    def stats(self) -> Optional[dict]:
+        """Counters for the run summary and benchmarks (None: it keeps none)."""
+        return None
+
+    def close(self) -> None:
+        """The holder is done with it (a Session's end; once per model key that loaded it), so
+        that a backend sharing engines between holders may free them."""
+
+    def reset(self) -> None:
+        """Back to idle: every state, queued and running proposal dropped (`kvflow serve`'s
+        recovery after a component's fault). An engine that cannot raises NotImplementedError."""
+        raise NotImplementedError(f"engine of backend {getattr(self, 'backend', '?')!r} cannot reset")
+
+    def context_length(self) -> Optional[int]:
+        """The model's context in tokens, where the engine knows it (None: ask the tokenizer)."""
+        return None
+
+    def kv_pool_tokens(self) -> int:
+        """Tokens of the KV pool the engine sized for itself at start (0: none; kvflow's own
+        admission bounds the KV: `run.kv_memory: auto` then reads the device's free memory)."""
+        return 0
+
+
+#: the members `adopt_defaults` gives an engine that lacks them
+OPTIONAL_MEMBERS = ("protocol", "evicts", "exact_entropy", "streams", "settings", "stats", "close", "reset",
+                    "context_length", "kv_pool_tokens")
+
+
+def adopt_defaults(engine: object) -> None:
+    """Give an engine that does not subclass `EngineBase` the optional members it lacks."""
+    if isinstance(engine, EngineBase):
+        return
+    for name in OPTIONAL_MEMBERS:
+        if not hasattr(engine, name):
+            default = getattr(EngineBase, name)
+            setattr(engine, name, default.__get__(engine) if callable(default) else default)
+
+
 @runtime_checkable
 class Engine(Protocol):
     """One loaded model behind a backend. See the module docstring for the contracts."""
@@ -303,15 +358,12 @@ class Engine(Protocol):
     clock: object  # a kvflow.timing clock the scheduler sets; forwards run inside `clock.phase("forward:<proposers>")`
     forwards: int  # decode forwards run so far (occupancy = rows_decoded / forwards / bound); see "Counters"
     rows_decoded: int  # candidate rows fed to those forwards, summed
-    # optional: `evicts = False` for an engine that runs full-context proposers only, and
-    # `exact_entropy = False` for one that estimates entropies (the contract suite adapts),
-    # `streams = True` for one whose decoding runs on its own (see "Overlap");
-    # `settings() -> dict` and, for an evicting engine, `kept_kv(state)` (docs/plugins.md);
+    # optional, with defaults (`EngineBase`): `protocol`, `evicts`, `exact_entropy`, `streams`,
+    # `settings()`, `stats()`, `close()`, `reset()`, `context_length()`, `kv_pool_tokens()`;
+    # further optional: for an evicting engine, `kept_kv(state)` (docs/plugins.md);
     # `prompt_logprobs(ids, top)`: ids scored with a full cache, each token's log p given the
     # ones before it and the `top` likeliest at each position (kvflow.backends.hf.scoring;
     # `kvflow serve`'s echo + logprobs completions need it);
-    # `close()`: the holder is done with it (a Session's end; called once per model key that
-    # loaded it), so that a backend sharing engines between holders may free them;
     # `cancel(requests) -> list[Proposal]` (added in kvflow 0.1.x, issue 40): stop these submitted
     # proposals now, returning them (queued ones with no candidates, running ones with their
     # tokens so far, finish `cancelled`) for `release`; the scheduler calls it for a cancelled

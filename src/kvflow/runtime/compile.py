@@ -111,13 +111,13 @@ def engine_use_problems(loaded: LoadedPipeline, registry=None) -> list:
 
 def place_models(loaded: LoadedPipeline, gpus=None):
     """(loaded with each used model entry's GPU set, the Placement or None): `device: auto`
-    entries get GPUs by kvflow's placement rule (kvflow.placement), and models that do not fit
+    entries get GPUs by kvflow's placement rule (kvflow.planning.placement), and models that do not fit
     are refused (UserError naming the field) before anything loads. `gpus`: [(index, total
     bytes)], None for this machine's CUDA GPUs; without GPUs nothing changes (auto is the CPU).
     `loaded.resolved` (and so the run's config hash) is left as written."""
     import dataclasses
 
-    from kvflow.placement import cuda_devices, place_pipeline
+    from kvflow.planning.placement import cuda_devices, place_pipeline
 
     gpus = cuda_devices() if gpus is None else gpus
     if not gpus:
@@ -204,9 +204,7 @@ def close_engines(engines: dict) -> None:
     """Each model key's engine closed once (`Engine.close`, optional: the holder is done with
     it), so that a backend sharing engines between holders (SGLang's workers) may free them."""
     for engine in engines.values():
-        close = getattr(engine, "close", None)
-        if close is not None:
-            close()
+        engine.close()
 
 
 def _plan(loaded, pipe, placement, engines, engine_for):
@@ -252,7 +250,7 @@ def engine_facts(plan, engines: dict) -> dict:
     proposer's KV memory, each model's backend and resolved settings, the GPU placement."""
     return {"device": plan.proposers[0].engine.device, "kv_memory": kv_memory_facts(plan),
             "engines": {k: e.backend for k, e in engines.items()},
-            "engine_settings": {k: e.settings() for k, e in engines.items() if hasattr(e, "settings")},
+            "engine_settings": {k: e.settings() for k, e in engines.items()},
             "placement": plan.placement.to_dict() if plan.placement else None}
 
 

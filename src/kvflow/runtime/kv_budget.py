@@ -185,20 +185,20 @@ def resolve_kv_memory(loaded: LoadedPipeline, proposers):
 
 
 def pools_bytes(proposers):
-    """(bytes, how) of the KV pools SGLang resolved for the engines of `proposers` when every
-    one runs on SGLang (its pool is then `auto`'s bound: the memory SGLang found free after
-    the weights), else None."""
+    """(bytes, how) of the KV pools the engines of `proposers` sized for themselves when every
+    one did (`Engine.kv_pool_tokens`; SGLang's pool: the memory it found free after the
+    weights, then `auto`'s bound), else None."""
     from kvflow.kv_memory import full_token_bytes
 
     engines = {id(p.engine): p.engine for p in proposers}.values()
-    tokens = [int((getattr(e, "resolved", None) or {}).get("max_total_tokens") or 0) for e in engines]
+    tokens = [e.kv_pool_tokens() for e in engines]
     if not all(tokens):
         return None
     total = 0
     for e, t in zip(engines, tokens):
         layers, heads, dim, elem = e.kv_shape()
         total += t * layers * heads * full_token_bytes(dim, elem)
-    return total, "the KV pools SGLang resolved"
+    return total, "the KV pools the engines resolved"
 
 
 def refuse_unfitting_prompts(loaded: LoadedPipeline, plan, prompts) -> None:

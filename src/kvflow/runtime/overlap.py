@@ -33,15 +33,15 @@ class Overlap:
             return False
         if self.mode == "on":
             return True
-        computing = [e for e in busy if not getattr(e, "streams", False)]
+        computing = [e for e in busy if not e.streams]
         if len(computing) < len(busy):  # a streaming engine: read it while the others compute
             return True
         devices = {str(e.device) for e in computing}
         return len(devices) == len(computing) and not any(d.startswith("cpu") for d in devices)
 
     def step(self, plan: Plan, busy: Sequence[Engine]) -> list[tuple]:
-        streaming = [e for e in busy if getattr(e, "streams", False)]
-        computing = [e for e in busy if not getattr(e, "streams", False)]
+        streaming = [e for e in busy if e.streams]
+        computing = [e for e in busy if not e.streams]
         private = {id(e): e.clock for e in busy}
         label = "+".join(self.names[id(e)] for e in sorted(busy, key=lambda e: self.order[id(e)]))
         results: dict[int, list] = {id(e): [e, [], 0, 0] for e in busy}

@@ -35,7 +35,7 @@ class Plan:
     batch_problems: Optional[int] = 16  # decode room per engine, in problems (None: memory decides, kv_budget)
     live_problems: Optional[int] = None  # problems in flight; None = 2 x batch_problems (no bound: kv_budget)
     record_candidates: bool = False  # keep every candidate of every step on the trajectory (run.record_candidates)
-    placement: Optional[object] = None  # kvflow.placement.Placement of the models on GPUs (None: no GPU)
+    placement: Optional[object] = None  # kvflow.planning.placement.Placement of the models on GPUs (None: no GPU)
     overlap: str = "auto"  # run.overlap_engines: auto | on | off (kvflow.runtime.scheduler's docstring)
     kv_budget: Optional[KVBudget] = None  # run.kv_memory: admission by KV bytes (kvflow.runtime.scheduler's docstring)
 

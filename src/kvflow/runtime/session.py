@@ -127,7 +127,7 @@ class Session:
 
     def engine_stats(self) -> dict:
         """Engines that count their own work (SGLang: prefix-cache hits, tokens after a stop)."""
-        return {e.label: e.stats() for e in self.plan.engines() if callable(getattr(e, "stats", None))}
+        return {e.label: stats for e in self.plan.engines() if (stats := e.stats()) is not None}
 
     def summary(self) -> dict:
         """This session's decode occupancy and engine counters (and, with run.kv_memory, its

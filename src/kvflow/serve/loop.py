@@ -371,10 +371,7 @@ class Loop:
         """After a component's fault: every engine back to idle (False: one cannot be)."""
         try:
             for engine in self.session.plan.engines():
-                reset = getattr(engine, "reset", None)
-                if reset is None:
-                    return False
-                reset()
+                engine.reset()  # NotImplementedError where an engine cannot: not recoverable
             self.session.plan.scorer.release(list(self.jobs))
             return all(e.busy_rows() == 0 for e in self.session.plan.engines())
         except Exception:  # noqa: BLE001 - cannot recover: the caller stops the server

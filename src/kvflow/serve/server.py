@@ -56,12 +56,9 @@ def check(loaded: LoadedPipeline, host: str, api_key: Optional[str]) -> None:
 
 
 def context_length(engine) -> Optional[int]:
-    """The base model's context in tokens, where the engine says (hf: the model config; SGLang: its
-    resolved settings), else the tokenizer's if it is a real one."""
-    model = getattr(getattr(engine, "runner", None), "model", None)
-    n = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if n is None:
-        n = (getattr(engine, "resolved", None) or {}).get("context_length")
+    """The base model's context in tokens, where the engine says (`Engine.context_length`: hf the
+    model config, SGLang and vLLM their resolved settings), else the tokenizer's if it is a real one."""
+    n = engine.context_length()
     if n is None:
         n = getattr(engine.tokenizer, "model_max_length", None)
         n = n if isinstance(n, int) and n < 10**7 else None

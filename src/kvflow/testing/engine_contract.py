@@ -56,99 +56,16 @@ from __future__ import annotations
 
 import pytest
 
-from kvflow.components.base import CONFIDENCE_TOP_K, Pruner, PrunerParams, Step, StepTrace, Trajectory
+from kvflow.components.base import CONFIDENCE_TOP_K, Step, StepTrace, Trajectory
 from kvflow.components.engine import (PROTOCOL_VERSION, Engine, ProposeRequest, SamplingSpec, StartRequest,
                                      SyncRequest, check_protocol, speaks)
-
-QUESTIONS = ["How many clips did Natalia sell?", "Natalia sold 48 clips in April. How many in May?",
-             "What is 48 / 2 + 24?"]
-NO_DELIMITER = "\x00\x01\x02"  # never produced: steps end at max_step_tokens or EOS
-FINISHES = {"eos", "delimiter", "max_step_tokens"}
-#: committed steps whose joined text tokenizes differently ("cl" + "ips" vs "clips"): a
-#: scoring session must tokenize the context step by step, as the proposers' caches hold it
-SCORED_STEPS = ["In May she sold 48 / 2 = 24 cl", "ips.\n\n"]
-SCORED_TEXTS = ["Altogether she sold 48 + 24 = 72 clips.\n\n", "The answer is \\boxed{72}."]
-#: top-p nucleus tolerance: probability mass by which the reference's and the engine's float
-#: rounding may move a token across the nucleus boundary (flat tiny models: ~1e-5 per token)
-NUCLEUS_SLACK = 1e-3
+from kvflow.testing.engine_contract_steps import StepContract
+from kvflow.testing.engine_scenarios import (  # noqa: F401 - the contract's scenarios, imported from here by engines' tests
+    FINISHES, NO_DELIMITER, NUCLEUS_SLACK, QUESTIONS, SCORED_STEPS, SCORED_TEXTS, StopAt, _evicting, _Probe, full_cache,
+    run_to_end)
 
 
-class StopAt(Pruner):
-    """Flags every row once it has `threshold` tokens; records what it saw (engines' own tests use it too)."""
-
-    Params = PrunerParams
-    needs_text = False
-
-    def __init__(self, at: int) -> None:
-        super().__init__(PrunerParams(threshold=at))
-        self.seen: list[list[int]] = []
-
-    def signal(self, trace):
-        return trace.n_tokens.float()
-
-    def check(self, trace):
-        self.seen.append(trace.n_tokens.tolist())
-        return trace.n_tokens >= int(self.params.threshold)
-
-
-class _Probe(Pruner):
-    """Flags nothing; its signal reads the trace's `what` (entropies, texts or token counts)."""
-
-    Params = PrunerParams
-
-    def __init__(self, what: str) -> None:
-        super().__init__(PrunerParams(threshold=0))
-        self.what = what
-
-    def signal(self, trace):
-        import torch
-
-        n = trace.n_tokens
-        if self.what == "entropy":  # the sum of the row's entropies so far
-            valid = torch.arange(trace.entropies.shape[1])[None, :] < n[:, None]
-            return (trace.entropies.float() * valid).sum(-1)
-        if self.what == "text":
-            return torch.tensor([float(len(t)) for t in trace.texts])
-        return n.float()
-
-    def check(self, trace):
-        import torch
-
-        return torch.zeros(len(trace.n_tokens), dtype=torch.bool)
-
-
-def full_cache():
-    """The `none` evictor: a full cache (engines' own tests use it too)."""
-    from kvflow.registry import get_registry
-
-    cls = get_registry().get("evictors", "none")
-    return cls(cls.Params())
-
-
-def _evicting(budget: int):
-    from kvflow.registry import get_registry
-
-    cls = get_registry().get("evictors", "random")
-    return cls(cls.Params(budget=budget, buffer=16, window=4))
-
-
-def run_to_end(engine: Engine, requests, max_rows=None, on_step=None) -> list:
-    """Submit requests and step until each has ended: their Proposals, in request order.
-    on_step(proposals that ended) is called after every `step()`."""
-    engine.submit(requests)
-    done = {}
-    for _ in range(100_000):
-        ended = engine.step(max_rows)
-        if on_step is not None:
-            on_step(ended)
-        for p in ended:
-            done[id(p.request)] = p
-        if len(done) == len(requests):
-            return [done[id(r)] for r in requests]
-    raise AssertionError("proposals did not end")
-
-
-class EngineContract:
+class EngineContract(StepContract):
     """Subclass and provide `engine_factory` (see the module docstring)."""
 
     @pytest.fixture(scope="class")
@@ -226,7 +143,7 @@ class EngineContract:
 
     def entropy_tolerance(self, engine) -> dict:
         """An engine that estimates entropies (from top-k logprobs) says so and stays close."""
-        return dict(abs=1e-3) if getattr(engine, "exact_entropy", True) else dict(rel=0.02, abs=0.02)
+        return dict(abs=1e-3) if engine.exact_entropy else dict(rel=0.02, abs=0.02)
 
     # ------------------------------------------------------------------ tests
 
@@ -255,7 +172,7 @@ class EngineContract:
         """The full cache, or an evicting one (skips the test on an engine that does not evict)."""
         if kind == "full":
             return full_cache()
-        if not getattr(engine, "evicts", True):
+        if not engine.evicts:
             pytest.skip(f"the {engine.backend} engine runs full-context proposers only")
         return _evicting(budget)
 
@@ -424,89 +341,6 @@ class EngineContract:
         assert recorded, "record_signals: no candidate carries signals"
         engine.release([state], [p])
 
-    def test_step_respects_max_rows(self, engine, reference):
-        """`step(max_rows)` decodes whole proposals, oldest first, never more than `max_rows`
-        rows at once; the candidates are those of unbounded steps."""
-        spec = SamplingSpec(2, 1.0, 1.0, 6, NO_DELIMITER)
-
-        def propose(max_rows):
-            states = engine.start([StartRequest(self.prompt(reference, i), full_cache(), 3) for i in range(3)])
-            reqs = [ProposeRequest(s, "base", spec, 30 + j, 100, tag=j) for j, s in enumerate(states)]
-            order, widest = [], 0
-            engine.submit(reqs)
-            assert engine.busy_rows() == 6, f"busy_rows() is {engine.busy_rows()} with 3 proposals of 2 rows queued"
-            done = {}
-            for _ in range(100_000):
-                before = engine.rows_decoded
-                ended = engine.step(max_rows)
-                widest = max(widest, engine.rows_decoded - before)
-                for p in ended:
-                    order.append(p.request.tag)
-                    done[p.request.tag] = p
-                if len(done) == 3:
-                    break
-            engine.release(states, list(done.values()))
-            return [done[j] for j in range(3)], order, widest
-
-        free, _, _ = propose(None)
-        forwards = engine.forwards
-        bounded, order, widest = propose(2)
-        assert widest <= 2, (
-            f"step(max_rows=2) decoded {widest} rows in one step (rows_decoded grew by {widest}): start queued "
-            "proposals only while the rows decoding stay within max_rows")
-        assert engine.forwards > forwards, "forwards did not grow while proposals were decoded"
-        assert order == [0, 1, 2], (
-            f"with max_rows=2 and proposals of 2 rows each, they must run one after the other, oldest first; "
-            f"they ended in the order {order}")
-        for a, b in zip(free, bounded):
-            assert [c.token_ids for c in a.candidates] == [c.token_ids for c in b.candidates], (
-                "candidates differ between step() and step(max_rows=2): a candidate must not depend on how "
-                "proposals are batched")
-        assert engine.busy_rows() == 0
-
-    def test_a_proposal_wider_than_max_rows_runs_alone(self, engine, reference):
-        """When nothing is decoding, the oldest proposal starts even if it alone needs more
-        rows than `max_rows`; the next waits until it has ended."""
-        spec3, spec1 = SamplingSpec(3, 1.0, 1.0, 5, NO_DELIMITER), SamplingSpec(1, 1.0, 1.0, 5, NO_DELIMITER)
-        states = engine.start([StartRequest(self.prompt(reference, i), full_cache(), 3) for i in range(2)])
-        reqs = [ProposeRequest(states[0], "base", spec3, 50, 100, tag="wide"),
-                ProposeRequest(states[1], "base", spec1, 51, 100, tag="next")]
-        order, widest = [], 0
-        engine.submit(reqs)
-        done = []
-        for _ in range(100_000):
-            before = engine.rows_decoded
-            ended = engine.step(max_rows=2)
-            widest = max(widest, engine.rows_decoded - before)
-            done += ended
-            order += [p.request.tag for p in ended]
-            if len(done) == 2:
-                break
-        assert order == ["wide", "next"], f"proposals ended in the order {order}"
-        assert widest <= 3, f"step(max_rows=2) decoded {widest} rows at once; the wide proposal has 3"
-        engine.release(states, done)
-
-    def test_forwards_are_timed_and_counted(self, engine, reference):
-        """Decode forwards run inside `clock.phase("forward:<proposers>")` (what the timing
-        report files under `model:`), and `forwards` / `rows_decoded` count them."""
-        from kvflow.timing import PhaseClock
-
-        clock, saved = PhaseClock(), (engine.clock, engine.label)
-        (state,) = engine.start([StartRequest(self.prompt(reference, 0), full_cache(), 1)])
-        engine.clock, engine.label = clock, "base"
-        try:
-            forwards, rows = engine.forwards, engine.rows_decoded
-            (p,) = run_to_end(engine, [ProposeRequest(state, "base", SamplingSpec(2, 1.0, 1.0, 4, NO_DELIMITER),
-                                                      2, 100)])
-        finally:
-            engine.clock, engine.label = saved
-        engine.release([state], [p])
-        assert "forward:base" in clock.totals, (
-            f"no decode time under clock.phase('forward:base') (phases timed while stepping: "
-            f"{sorted(clock.totals)}): run the model's forwards inside the clock the scheduler sets, named after "
-            "the proposers decoded")
-        assert engine.forwards > forwards and engine.rows_decoded >= engine.forwards - forwards + rows, (
-            "forwards and rows_decoded must count the decode forwards and the candidate rows fed to them")
 
     def test_scoring_session_matches_the_model(self, engine, reference):
         """`scoring_session().token_logprobs(trajectories, texts)`: a list per text with the
@@ -580,7 +414,7 @@ class EngineContract:
 
         def candidates(seed, others=0):
             prompts = [self.prompt(reference, 1)] + [self.prompt(reference, i % 3) for i in range(others)]
-            ev = _evicting(8) if getattr(engine, "evicts", True) else full_cache()
+            ev = _evicting(8) if engine.evicts else full_cache()
             states = engine.start([StartRequest(p, ev, 9) for p in prompts])
             reqs = [ProposeRequest(s, "base", spec, seed + 100 * j, 100) for j, s in enumerate(states)]
             proposals = run_to_end(engine, reqs)
@@ -632,6 +466,3 @@ class EngineContract:
         engine.release([state, state2], [p, second])
         assert engine.busy_rows() == 0
 
-    def test_step_with_nothing_queued_returns_nothing(self, engine):
-        assert engine.busy_rows() == 0
-        assert engine.step() == []

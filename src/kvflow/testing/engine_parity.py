@@ -284,10 +284,10 @@ def assert_pruner_same_as_hf(backend: str, name: str, make_pruner, tol: float = 
         if not records:
             assert name not in a.signals and name not in b.signals, (
                 f"pruner {name!r} has no signal(), yet a signal was recorded for it")
-            agree = getattr(other, "exact_entropy", True)  # its verdicts may read estimated entropies
+            agree = other.exact_entropy  # its verdicts may read estimated entropies
         else:
             x, y = a.signals[name][:live], b.signals[name][:live]
-            if getattr(other, "exact_entropy", True):
+            if other.exact_entropy:
                 expect = x
             else:  # hf's trace (tokens, texts, logprobs, confidences) with the other engine's entropies
                 pieces = [reference.tokenizer.decode([t]) for t in a.token_ids]

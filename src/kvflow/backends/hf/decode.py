@@ -27,7 +27,7 @@ from kvflow.backends.hf.decode_batch import PoolRows, RowPool
 from kvflow.backends.hf.engine import HFRunner
 from kvflow.backends.hf.sampling import DelimiterTable, sample, uniforms
 from kvflow.components.base import Candidate, Evictor, EvictorParams, StepTrace
-from kvflow.components.engine import Proposal, ProposeRequest, StartRequest, SyncRequest, row_seed
+from kvflow.components.engine import EngineBase, Proposal, ProposeRequest, StartRequest, SyncRequest, row_seed
 from kvflow.timing import NULL_CLOCK
 
 # finish codes in the row table; pruner k of a proposal's spec is _PRUNED + k
@@ -111,7 +111,7 @@ class _RowTable:
         self.size, self.width = size, width
 
 
-class HFEngine:
+class HFEngine(EngineBase):
     """The `hf` backend's engine over one loaded model (see the module docstring)."""
 
     backend = "hf"
@@ -142,6 +142,10 @@ class HFEngine:
         self.table = _RowTable()
 
     # ------------------------------------------------------------------ text and shapes
+
+    def context_length(self) -> Optional[int]:
+        n = getattr(self.runner.model.config, "max_position_embeddings", None)
+        return int(n) if n else None
 
     def settings(self) -> dict:
         """What this engine runs under on this machine (`manifest.json` `engine_settings`)."""

@@ -32,7 +32,7 @@ from kvflow.backends.served.streamed import TOP_K, Row, Running, StreamedRows
 from kvflow.backends.served.wire import ABORT, LENGTH, STOP_STRING, STOP_TOKEN
 from kvflow.backends.served.worker import Worker
 from kvflow.components.base import CONFIDENCE_TOP_K
-from kvflow.components.engine import Proposal, ProposeRequest, StartRequest, SyncRequest
+from kvflow.components.engine import EngineBase, Proposal, ProposeRequest, StartRequest, SyncRequest
 from kvflow.errors import EngineError
 from kvflow.timing import NULL_CLOCK
 
@@ -53,7 +53,7 @@ class FullState:
     dp_rank: Optional[int] = None  # the data-parallel replica whose prefix cache holds its prefix (None: one)
 
 
-class ServedEngine(SnapshotStates, StreamedRows):
+class ServedEngine(SnapshotStates, StreamedRows, EngineBase):
     """One model served by an engine in a worker process (see the module docstring)."""
 
     backend = ""  # the registry name ("sglang")
@@ -63,6 +63,7 @@ class ServedEngine(SnapshotStates, StreamedRows):
     exact_entropy = False  # estimated from the top-k logprobs (signals.entropy_estimate)
     streams = True  # decoding runs in the worker process: step() reads what arrived
     RECORDED: tuple = ()  # resolved settings `settings()` reports
+    CONTEXT_SETTING = ""  # the resolved setting that is the model's context in tokens
     OWN_COUNTERS: tuple = ()
 
     def __init__(self, worker: Worker, tokenizer: Any, *, vocab_size: int, kv_shape: tuple[int, int, int, int],
@@ -123,6 +124,10 @@ class ServedEngine(SnapshotStates, StreamedRows):
         deadline = time.monotonic() + timeout
         while (self._used or self._evicted_rids or self._ingests) and time.monotonic() < deadline:
             self._take(self.worker.poll(POLL_S))
+
+    def context_length(self) -> Optional[int]:
+        n = self.resolved.get(self.CONTEXT_SETTING)
+        return int(n) if n else None
 
     def stats(self) -> dict:
         """Prefix-cache hits and early-exit savings so far (for the run summary and benchmarks)."""

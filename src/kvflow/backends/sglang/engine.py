@@ -41,6 +41,7 @@ class SGLangEngine(ServedEngine):
     backend = "sglang"
     engine_name = "SGLang"
     RECORDED = RECORDED
+    CONTEXT_SETTING = "context_length"
 
     def __init__(self, worker, tokenizer, **kw) -> None:
         super().__init__(worker, tokenizer, **kw)
@@ -52,6 +53,10 @@ class SGLangEngine(ServedEngine):
     def reset(self) -> None:
         super().reset()
         self._rank_load = {}
+
+    def kv_pool_tokens(self) -> int:
+        """SGLang's token pool as it resolved it (`max_total_tokens`)."""
+        return int(self.resolved.get("max_total_tokens") or 0)
 
     # ------------------------------------------------------------------ replicas
 

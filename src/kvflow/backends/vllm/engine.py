@@ -35,6 +35,7 @@ class VLLMEngine(ServedEngine):
     backend = "vllm"
     engine_name = "vLLM"
     RECORDED = RECORDED
+    CONTEXT_SETTING = "max_model_len"
     #: evicted requests' counters: forwards vLLM recomputed one in, stand-in tokens skipped on
     #: null blocks, the most KV blocks in use after any step
     OWN_COUNTERS = ("evicted_recomputes", "standins_skipped", "kv_blocks_peak")

@@ -91,14 +91,14 @@ def connect(flag: Optional[str] = None) -> tuple[bool, str]:
 
 def worker_gpus(loaded, cluster_gpus: float) -> int:
     """GPUs each worker asks Ray for: `run.worker_gpus`, else 0 on a cluster without GPUs, else
-    one per GPU the used model entries occupy on their own (kvflow.placement: an SGLang engine
+    one per GPU the used model entries occupy on their own (kvflow.planning.placement: an SGLang engine
     tp_size x dp_size x pp_size, any other entry 1; entries on `cpu` none)."""
     run = loaded.pipeline.run
     if run.worker_gpus is not None:
         return run.worker_gpus
     if cluster_gpus <= 0:
         return 0
-    from kvflow.placement import pipeline_demands
+    from kvflow.planning.placement import pipeline_demands
     from kvflow.runtime.compile import used_models
 
     return sum(d.gpu_count for d in pipeline_demands(loaded.pipeline.models, used_models(loaded)))

@@ -209,7 +209,7 @@ def _decode_graphs(config, resolved) -> bool:
 def check_pipeline(path: str, gpus: list[tuple[int, int]]) -> list[Check]:
     from kvflow.config import load_pipeline
     from kvflow.errors import UserError
-    from kvflow.explain import placement_lines
+    from kvflow.tools.explain import placement_lines
 
     try:
         loaded = load_pipeline(path)

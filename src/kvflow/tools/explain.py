@@ -6,7 +6,7 @@ parameters and one-line description, and the pruners that watch it; then the sco
 model it uses), the committer, the limits and the dataset; then an estimate of the KV memory
 of one sequence per proposer, read from the model's config when that needs no weights and no
 network; given a stand-in GPU list (`--gpus 8x80`), where `kvflow run` would place each model
-(kvflow.placement); and last the resolved configuration as YAML. Never imports torch.
+(kvflow.planning.placement); and last the resolved configuration as YAML. Never imports torch.
 """
 
 from __future__ import annotations
@@ -381,7 +381,7 @@ def placement_lines(loaded: "LoadedPipeline", gpus: list[tuple[int, int]]) -> li
     """Where `kvflow run` would put each used model on `gpus` ((index, total bytes)), by
     kvflow's placement rule, or the problems it would refuse the pipeline with."""
     from kvflow.errors import UserError
-    from kvflow.placement import place_pipeline
+    from kvflow.planning.placement import place_pipeline
     from kvflow.runtime.compile import used_models
 
     sizes = [_human_bytes(total) for _, total in gpus]
@@ -426,7 +426,7 @@ def resolved_yaml(resolved: dict) -> str:
 def explain_command(file: Union[str, os.PathLike], *, sets=(), unsets=(), registry: Optional["Registry"] = None,
                     echo: Callable[[str], None] = print, gpus: Optional[str] = None) -> "LoadedPipeline":
     from kvflow.config.validate import load_pipeline
-    from kvflow.placement import parse_gpus
+    from kvflow.planning.placement import parse_gpus
 
     devices = parse_gpus(gpus) if gpus else None  # before loading: a bad --gpus is said first
     loaded = load_pipeline(file, sets=sets, unsets=unsets, registry=registry)

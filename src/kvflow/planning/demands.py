@@ -1,5 +1,5 @@
 """What each engine of a pipeline asks of the GPUs: `Demand`, read from its model entry without
-loading weights or touching the network (`kvflow.placement` decides where the demands go).
+loading weights or touching the network (`kvflow.planning.placement` decides where the demands go).
 
 Weights = parameters x bytes per element of `dtype` (`auto`: 2). Parameters are counted from
 the checkpoint's safetensors headers or estimated from its config.json where those are at hand

@@ -3,7 +3,7 @@
 In one process with several GPUs, a model entry whose `device` is `auto` gets its GPU by the
 rule below, and a pipeline whose models cannot fit is refused before any engine starts.
 `place()` is the rule: a pure function of the models' demands and the GPUs' sizes.
-`place_pipeline()` places the demands of a pipeline's used models (`kvflow.demands`: no weights
+`place_pipeline()` places the demands of a pipeline's used models (`kvflow.planning.demands`: no weights
 loaded, no network); `cuda_devices()` asks torch for the GPUs (the one torch use here, imported late).
 
 The rule (docs/backends.md, "Placement on several GPUs"):
@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 from kvflow.backends.base import SGLANG_DEFAULT_FRACTION, backend_named
-from kvflow.demands import HF_HEADROOM, Demand, gib, pipeline_demands
+from kvflow.planning.demands import HF_HEADROOM, Demand, gib, pipeline_demands
 from kvflow.errors import ConfigProblem, UserError
 
 log = logging.getLogger(__name__)
