@@ -397,14 +397,14 @@ def test_finished_and_cancelled_problems_leave_nothing_for_the_cyclic_gc():
     gc.collect()
     gc.disable()
     # what an earlier test in this process still holds is not this test's
-    before = {id(o) for o in gc.get_objects() if isinstance(o, (BudgetedCache, scheduler._Problem))}
+    before = {id(o) for o in gc.get_objects() if isinstance(o, (BudgetedCache, scheduler.Problem))}
     try:
         run_scheduler(plan, trajs, done.append, cancelled=cancelled)
         assert sorted(t.finish == "cancelled" for t in done) == [False, False, True, True]
         for engine in (base_runner, helper_runner):
             engine.step()  # idle: its row pools emptied
         alive = [o for o in gc.get_objects() if isinstance(o, BudgetedCache) and o.n_rows and id(o) not in before]
-        problems = [o for o in gc.get_objects() if isinstance(o, scheduler._Problem) and id(o) not in before]
+        problems = [o for o in gc.get_objects() if isinstance(o, scheduler.Problem) and id(o) not in before]
         assert not alive and not problems, (len(alive), len(problems))
     finally:
         gc.enable()

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-CONSTRAINTS = Path(__file__).resolve().parents[2] / "scripts" / "constraints-gpu.txt"
+CONSTRAINTS = Path(__file__).resolve().parents[3] / "scripts" / "constraints-gpu.txt"
 CHECKED = ("torch", "transformers", "sglang", "pydantic", "pluggy", "typer")
 
 
