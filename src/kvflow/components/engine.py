@@ -304,6 +304,7 @@ class EngineBase:
     evicts = True  # False: full-context proposers only
     exact_entropy = True  # False: entropies estimated (from top-k log-probabilities); the contract suite adapts
     streams = False  # True: its decoding runs on its own (another process), `step()` reads what arrived ("Overlap")
+    scores_prompts = False  # True: `prompt_logprobs(ids, top)` (`kvflow serve`'s echo + logprobs completions)
 
     def settings(self) -> dict:
         """What it runs under, as resolved on this machine (`manifest.json` `engine_settings`)."""
@@ -326,6 +327,17 @@ class EngineBase:
         """The model's context in tokens, where the engine knows it (None: ask the tokenizer)."""
         return None
 
+    def cancel(self, requests: Sequence["ProposeRequest"]) -> list:
+        """Stop these submitted proposals now, returning them (queued ones with no candidates,
+        running ones with their tokens so far, finish `cancelled`) for `release`. The default
+        stops none: they decode to their step's end, and the scheduler drops them then."""
+        return []
+
+    def prompt_logprobs(self, ids: Sequence[int], top: int):
+        """`ids` scored with a full cache: each token's log p given the ones before it and the
+        `top` likeliest at each position (where `scores_prompts`)."""
+        raise NotImplementedError(f"engine of backend {getattr(self, 'backend', '?')!r} cannot score prompts")
+
     def kv_pool_tokens(self) -> int:
         """Tokens of the KV pool the engine sized for itself at start (0: none; kvflow's own
         admission bounds the KV: `run.kv_memory: auto` then reads the device's free memory)."""
@@ -333,8 +345,8 @@ class EngineBase:
 
 
 #: the members `adopt_defaults` gives an engine that lacks them
-OPTIONAL_MEMBERS = ("protocol", "evicts", "exact_entropy", "streams", "settings", "stats", "close", "reset",
-                    "context_length", "kv_pool_tokens")
+OPTIONAL_MEMBERS = ("protocol", "evicts", "exact_entropy", "streams", "scores_prompts", "settings", "stats",
+                    "close", "reset", "context_length", "kv_pool_tokens", "cancel", "prompt_logprobs")
 
 
 def adopt_defaults(engine: object) -> None:
@@ -359,15 +371,11 @@ class Engine(Protocol):
     forwards: int  # decode forwards run so far (occupancy = rows_decoded / forwards / bound); see "Counters"
     rows_decoded: int  # candidate rows fed to those forwards, summed
     # optional, with defaults (`EngineBase`): `protocol`, `evicts`, `exact_entropy`, `streams`,
-    # `settings()`, `stats()`, `close()`, `reset()`, `context_length()`, `kv_pool_tokens()`;
-    # further optional: for an evicting engine, `kept_kv(state)` (docs/plugins.md);
-    # `prompt_logprobs(ids, top)`: ids scored with a full cache, each token's log p given the
-    # ones before it and the `top` likeliest at each position (kvflow.backends.hf.scoring;
-    # `kvflow serve`'s echo + logprobs completions need it);
-    # `cancel(requests) -> list[Proposal]` (added in kvflow 0.1.x, issue 40): stop these submitted
-    # proposals now, returning them (queued ones with no candidates, running ones with their
-    # tokens so far, finish `cancelled`) for `release`; the scheduler calls it for a cancelled
-    # problem (a served request gone) so its rows stop decoding before the step's end
+    # `scores_prompts`, `settings()`, `stats()`, `close()`, `reset()`, `context_length()`,
+    # `kv_pool_tokens()`, `cancel(requests)`, `prompt_logprobs(ids, top)`;
+    # (`cancel` was added in kvflow 0.1.x, issue 40: the scheduler calls it for a cancelled
+    # problem, a served request gone, so its rows stop decoding before the step's end);
+    # further optional: for an evicting engine, `kept_kv(state)` (docs/plugins.md)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` without special tokens."""

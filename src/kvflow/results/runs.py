@@ -15,7 +15,6 @@ not finished). What a run *is* comes from its config:
 from __future__ import annotations
 
 import glob
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional

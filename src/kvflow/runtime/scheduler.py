@@ -167,15 +167,12 @@ def _step(plan: Plan, engine: Engine) -> tuple[list[Proposal], int, int]:
 
 def _cancel_proposing(plan: Plan, live: Sequence[Problem], cancelled) -> None:
     """Cancelled problems whose proposals are still decoding: on an engine that can stop them
-    (the optional `Engine.cancel`) they end now, not at their step's end, so the problem is
-    ready and dropped this round; other engines decode them to the step boundary."""
+    (`Engine.cancel`) they end now, not at their step's end, so the problem is ready and dropped
+    this round; an engine that cannot (its `cancel` returns none) decodes them to the step boundary."""
     for prop in plan.proposers:
-        cancel = getattr(prop.engine, "cancel", None)
-        if cancel is None:
-            continue
         going = [p for p in live if prop.name in p.waiting and cancelled(p.traj)]
         if going:
-            for proposal in cancel([p.requests[prop.name] for p in going]):
+            for proposal in prop.engine.cancel([p.requests[prop.name] for p in going]):
                 _ended(proposal)
 
 

@@ -316,7 +316,7 @@ async def _score(service: Service, req) -> Any:
     """A scoring request: each prompt scored by the base model with a full cache, on the engine
     thread (see the module docstring)."""
     base = service.loop.base
-    if not callable(getattr(base, "prompt_logprobs", None)):
+    if not base.scores_prompts:
         raise ApiError(400, f"the base model's engine ({base.backend}) cannot score prompts: scoring requests "
                             f"(`echo`) need an hf base model", param="echo", code="unsupported_field")
     prompts = [service.encode(p) if isinstance(p, str) else list(p) for p in req.prompts]

@@ -116,6 +116,7 @@ class HFEngine(EngineBase):
 
     backend = "hf"
     protocol = "0.2"  # engine protocol (kvflow.components.engine.PROTOCOL_VERSION): fills confidences
+    scores_prompts = True  # prompt_logprobs (kvflow serve's echo + logprobs)
 
     def __init__(self, runner: HFRunner, clock=NULL_CLOCK) -> None:
         self.runner = runner
