@@ -28,11 +28,23 @@ step that differs; any other difference fails.
 
 from __future__ import annotations
 
-from kvflow.backends.base import backend_named
 import functools
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from kvflow.backends.base import backend_named
+
+#: the backend every other is compared with: transformers' own forward, kvflow's reference
+REFERENCE = "hf"
+
+
+def compared_backends(*, evicting: bool = False) -> list[str]:
+    """The registered backends compared with the reference (`evicting`: those that evict)."""
+    from kvflow.registry import get_registry
+
+    names = [n for n in get_registry().names("backends") if n != REFERENCE]
+    return [n for n in names if backend_named(n).evicts] if evicting else names
 
 QUESTION = "Natalia sold 48 clips in April and half as many in May. How many clips did she sell?"
 NEVER = "\x00\x01"  # a delimiter the tiny model never writes: steps run to the cap

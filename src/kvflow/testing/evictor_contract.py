@@ -65,7 +65,6 @@ from typing import Any, Callable, ClassVar
 
 import pytest
 
-from kvflow.backends.base import backend_named
 from kvflow.components.base import EvictorParams
 from kvflow.testing.component_contract import ComponentContract
 from kvflow.testing.evictor_decode import (ARGMAX_TIE, PROMPTS, ROW_SEEDS, decode, recorded_decode,  # noqa: F401
@@ -85,11 +84,10 @@ def contract_runner() -> Callable[[str, str], Any]:
 
 
 def _evicting_backends() -> list[str]:
-    """Registered backends besides `hf` whose engines run evicted proposers."""
-    from kvflow.registry import get_registry
+    """Registered backends besides the reference (`hf`) whose engines run evicted proposers."""
+    from kvflow.testing.engine_parity import compared_backends
 
-    reg = get_registry()
-    return [n for n in reg.names("backends") if n != "hf" and backend_named(n, reg).evicts]
+    return compared_backends(evicting=True)
 
 
 class EvictorContract(ComponentContract):

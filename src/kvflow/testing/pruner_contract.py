@@ -144,10 +144,10 @@ def _copy(t):
 
 
 def _other_backends() -> list[str]:
-    """Registered backends besides `hf` (the reference) whose engines propose."""
-    from kvflow.registry import get_registry
+    """Registered backends besides the reference (`hf`) whose engines propose."""
+    from kvflow.testing.engine_parity import compared_backends
 
-    return [n for n in get_registry().names("backends") if n != "hf"]
+    return compared_backends()
 
 
 _NAMES = itertools.count()

@@ -53,6 +53,7 @@ import pytest
 
 from kvflow.components.base import ScorerParams
 from kvflow.testing.component_contract import ComponentContract
+from kvflow.testing.engine_parity import REFERENCE
 
 MODEL_KEY = "tiny"
 PROPOSERS = ["base", "helper"]
@@ -135,7 +136,7 @@ class ScorerContract(ComponentContract):
         from kvflow.config.schema import ModelConfig
         from kvflow.registry import get_registry
 
-        if cls.contract_backend != "hf":
+        if cls.contract_backend != REFERENCE:
             from kvflow.backends.base import backend_named
             from kvflow.testing.engine_parity import backend_model_dir
 
