@@ -65,7 +65,7 @@ def test_a_full_context_request_after_an_evicted_one_reads_no_evicted_block(vllm
     import torch
     from transformers import AutoModelForCausalLM
 
-    from kvflow.backends.vllm.engine import VLLMState
+    from kvflow.backends.served.engine import FullState
 
     prompt = _long_prompt(vllm_engine)
     (state,) = vllm_engine.start([StartRequest(prompt, _rkv(), 3)])
@@ -74,7 +74,7 @@ def test_a_full_context_request_after_an_evicted_one_reads_no_evicted_block(vllm
     vllm_engine.release([state])
     ids = state.ids + list(evicted.token_ids)
     assert len(ids) > 2 * BLOCK
-    got = _greedy(vllm_engine, VLLMState(ids), 12)
+    got = _greedy(vllm_engine, FullState(ids), 12)
     model = AutoModelForCausalLM.from_pretrained(backend_model_dir("vllm"), dtype=torch.float32)
     want = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, output_scores=True,
                           return_dict_in_generate=True)
