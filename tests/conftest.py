@@ -84,6 +84,29 @@ def require_vllm() -> None:
         pytest.skip(why)
 
 
+_PINNED: dict[int, object] = {}  # worker id -> an engine this test process holds until it ends
+
+
+def pin_for_session(engine):
+    """Hold `engine`'s worker for the rest of this test process (once per worker): the engines
+    the session reuses across modules (SGLang's and vLLM's on the shared tiny models) are then
+    never idle, so another backend's start does not close them (the served core's one registry
+    closes every idle worker before a new one starts) and the next module need not start them
+    again. Released at the session's end (`_release_pinned`)."""
+    if id(engine.worker) not in _PINNED:
+        engine.worker.holders += 1
+        _PINNED[id(engine.worker)] = engine
+    return engine
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _release_pinned():
+    yield
+    for engine in _PINNED.values():
+        engine.close()
+    _PINNED.clear()
+
+
 @pytest.fixture(scope="session")
 def shared_tiny_qwen():
     """One tiny Qwen2 directory for the whole session, so that every SGLang test on it shares
@@ -131,7 +154,8 @@ def sglang_engine(shared_tiny_qwen):
     from kvflow.backends.sglang import SGLangBackend
     from kvflow.config.schema import ModelConfig
 
-    engine = SGLangBackend.load(ModelConfig(backend="sglang", id=str(shared_tiny_qwen), dtype="float32", device="cpu"))
+    engine = pin_for_session(SGLangBackend.load(ModelConfig(backend="sglang", id=str(shared_tiny_qwen),
+                                                            dtype="float32", device="cpu")))
     yield engine
     engine.close()
 
@@ -231,7 +255,6 @@ SLOW_TESTS = {
     "test_an_engine_built_for_rkv_reads_no_kv_in_its_hook_and_keeps_hfs_tokens",  # an SGLang engine, 30 s
     "test_every_component_example_passes_its_contract_suite",  # 172 s: every contract suite, SGLang's too
     "test_sigkill_at_random_moments_resumes_exactly", "test_sigint_stops_cleanly_with_exit_130_and_resumes",
-    "test_a_released_worker_is_closed_before_another_starts_and_a_held_one_is_not",  # three SGLang engines
     "test_a_catalog_checkpoint_in_bf16_gives_each_problem_the_same_run_alone_and_among_3_others",  # 2 runs, 25 s
 }
 _SLOW_ID = re.compile(r"sglang|vllm|mkdocs", re.I)  # in the test's class, name or parameters (not its file)

@@ -142,7 +142,7 @@ def _check_rkv_engine(engine, ev, h2o, hf_engine):
 @pytest.fixture(scope="module")
 def full_context_engine(shared_tiny_qwen):
     """An engine for full-context proposers on the session's model (no kvflow hook), held by
-    this module; the worker-sharing test starts it as its "next start" (one start for both)."""
+    this module."""
     from conftest import require_sglang
 
     require_sglang()
@@ -154,32 +154,22 @@ def full_context_engine(shared_tiny_qwen):
     engine.close()
 
 
-def test_a_released_worker_is_closed_before_another_starts_and_a_held_one_is_not(sglang_engine, request):
-    """Workers are shared per (arguments, profile) and kept while idle for reuse, but starting
-    another closes the idle ones first: a process (a test session, a sweep, `kvflow serve`)
-    never accumulates engines it no longer holds (each ~2 GB here; on a GPU, memory that the
-    next engine's KV pool is sized without)."""
-    from conftest import require_sglang
-
-    require_sglang()
+def test_the_same_entry_loaded_again_shares_its_worker_and_each_close_hands_one_back(
+        sglang_engine, full_context_engine, shared_tiny_qwen):
+    """Workers are shared per (arguments, profile): loading the same entry again hands out the
+    running worker's engine (no start), one more holder; closing hands it back and the worker
+    stays for the holders left. An evicting engine (kvflow's hook) is another worker. That an idle
+    worker, of any backend, is closed before another starts and a held one is not is the served
+    core's registry, tested with real worker processes in tests/test_served_core.py."""
     from kvflow.backends.sglang import SGLangBackend
-    from kvflow.testing.engine_parity import shared_model_dir
 
-    def load(model):
-        return SGLangBackend.load(ModelConfig(backend="sglang", id=str(model), dtype="float32", device="cpu"),
-                                  evicting=False)
-
-    mine = shared_model_dir("qwen2", seed=21)  # a model of this test alone: no other test holds its workers
-    other = sglang_engine  # the session's engine, held by this module
-    first = load(mine)
-    first.close()
-    again = load(mine)  # idle, same arguments: reused, not restarted
-    assert again.worker is first.worker and first.worker.holders == 1
+    held = full_context_engine.worker.holders
+    again = SGLangBackend.load(ModelConfig(backend="sglang", id=str(shared_tiny_qwen), dtype="float32",
+                                           device="cpu"), evicting=False)
+    assert again is full_context_engine and again.worker.holders == held + 1
     again.close()
-    assert first.worker.proc.poll() is None  # idle: kept until another worker has to start
-    request.getfixturevalue("full_context_engine")  # other arguments: a new worker starts
-    assert first.worker.proc.poll() is not None, "the idle worker outlived the next start"
-    assert other.worker.proc.poll() is None, "a held worker was closed"
+    assert full_context_engine.worker.holders == held and full_context_engine.worker.proc.poll() is None
+    assert sglang_engine.worker is not full_context_engine.worker, "a full-context engine shared the hooked worker"
 
 
 def test_a_full_context_engine_runs_no_kvflow_hook(full_context_engine):

@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from conftest import REPO, committed_steps, require_vllm, run_shrunk_quickstart
+from conftest import REPO, committed_steps, pin_for_session, require_vllm, run_shrunk_quickstart
 from kvflow.components.base import Trajectory
 from kvflow.components.engine import ProposeRequest, SamplingSpec, StartRequest, SyncRequest
 from kvflow.testing import tiny_pipeline
@@ -25,7 +25,7 @@ from kvflow.testing.engine_parity import QUESTION, backend_model_dir, chat_promp
 @pytest.fixture(scope="module")
 def vllm_engine():
     require_vllm()
-    engine = load_engine("vllm")
+    engine = pin_for_session(load_engine("vllm"))
     yield engine
     engine.close()
 
@@ -153,7 +153,7 @@ def test_a_closed_worker_leaves_no_process():
     """Closing a worker stops it and everything in its process group (the last test here, on a
     worker of its own: the one before killed the shared one)."""
     require_vllm()
-    engine = load_engine("vllm")
+    engine = pin_for_session(load_engine("vllm"))
     worker = engine.worker
     pid = worker.proc.pid
     assert worker.proc.poll() is None

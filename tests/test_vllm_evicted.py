@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import require_vllm
+from conftest import pin_for_session, require_vllm
 from kvflow.components.engine import ProposeRequest, SamplingSpec, StartRequest
 from kvflow.registry import get_registry
 from kvflow.testing.engine_contract import full_cache, run_to_end
@@ -31,7 +31,7 @@ BLOCK = 128  # vLLM's KV block on a CPU
 @pytest.fixture(scope="module")
 def vllm_engine():
     require_vllm()
-    engine = load_engine("vllm")
+    engine = pin_for_session(load_engine("vllm"))
     assert engine.worker.info["settings"]["block_size"] == BLOCK
     yield engine
     engine.close()
