@@ -193,6 +193,11 @@ class ServedEngine(SnapshotStates, StreamedRows, EngineBase):
         leaving snapshot `row.snap` at its end)."""
         raise NotImplementedError
 
+    def _send_ingest(self, state: EvictedState, rid: str, end: int, spec: dict) -> None:
+        """One request that makes snapshot `s-<rid>` of the state's tokens up to `end`
+        (`snapshots.SnapshotStates._catch_up`); `spec` is `_spec`'s."""
+        raise NotImplementedError
+
     def _evicted_row(self, state: EvictedState, row: Row) -> None:
         """Candidate `row` of an evicted state leaves snapshot `c-<rid>` at its end."""
         row.snap = "c-" + row.rid
