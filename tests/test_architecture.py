@@ -9,6 +9,7 @@ import ast
 from pathlib import Path
 
 from conftest import REPO
+from test_imports import _circles as circles  # Tarjan's, as issue 35's circle test reads it
 
 #: the layers, bottom to top: (name, module prefixes); a module belongs to the layer of its
 #: longest matching prefix. Keep in step with docs/architecture.md.
@@ -96,38 +97,6 @@ def layer_breaks(edges: dict[str, set[str]]) -> list[str]:
     return out
 
 
-def circles(edges: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components of more than one module (Tarjan)."""
-    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
-
-    def visit(v):
-        index[v] = low[v] = counter[0]
-        counter[0] += 1
-        stack.append(v)
-        on.add(v)
-        for w in edges.get(v, ()):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                out.append(sorted(comp))
-
-    for v in sorted(edges):
-        if v not in index:
-            visit(v)
-    return out
-
-
 def test_every_module_is_in_a_layer():
     assert [m for m in modules() if _rank(m, LAYERS)[0] < 0] == []
 
@@ -143,7 +112,10 @@ def test_no_module_imports_a_layer_above_its_own():
     assert layer_breaks(graph()) == []
 
 
-def test_no_import_circles():
+def test_no_import_circles_even_through_type_imports_or_the_built_in_plugins():
+    """tests/test_imports.py's circle test over src/kvflow, here with imports under
+    TYPE_CHECKING counted too (a type-only circle still ties two modules' designs) and with
+    the built-in plugins' package in the graph."""
     assert circles(graph()) == []
 
 
