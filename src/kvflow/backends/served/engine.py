@@ -231,13 +231,15 @@ class ServedEngine(SnapshotStates, StreamedRows, EngineBase):
         with self.clock.phase("prune"):
             for running, arrivals in fresh.values():
                 self._advance(running, arrivals)
-        for row, finish, made in ends:
+        for row, finish, meta in ends:
             if row.finish is None:  # the engine stopped it first (kvflow saw every token it made)
                 if finish == ABORT:
+                    why = f": {meta['message']}" if meta.get("message") else ""
                     raise EngineError(f"{self.worker.where}: {self.engine_name} aborted request {row.rid} "
-                                      "(kvflow did not)")
+                                      f"(kvflow did not){why}")
                 row.finish = _FINISH[finish]
             else:  # kvflow stopped it on tokens that came with the engine's own end: nothing left to abort
+                made = meta.get("completion_tokens") or 0
                 self.counters["tokens_after_stop"] += max(0, made - self._used.pop(row.rid, made))
         return rows
 
@@ -267,7 +269,7 @@ class ServedEngine(SnapshotStates, StreamedRows, EngineBase):
             entry[1].append((row, list(zip(msg[2], msg[3], msg[4]))))
         elif kind == "end":
             self._count_meta(msg[3])
-            ends.append((row, msg[2], msg[3].get("completion_tokens") or 0))
+            ends.append((row, msg[2], msg[3] or {}))
             self._rows.pop(rid, None)
         elif kind == "error":
             raise EngineError(f"{self.worker.where}: {self.engine_name} request failed: {msg[2]}")
