@@ -97,7 +97,7 @@ def main() -> None:
                 engine = loader.load(cfg(backend))
             prompt = dataset_prompts(engine, 1)[0]
             never_stop_at_eos(engine)
-            _warm(engine, prompt, full if label == "full" or backend != "sglang" or args.shared_engine else ev)
+            warm(engine, prompt, full if label == "full" or backend != "sglang" or args.shared_engine else ev)
             result = run(engine, prompt, ev, args.n, lengths)
             out.setdefault("rounds", []).append({"round": r, "run": f"{tag}/{label}", **result})
             best = out["runs"].get(f"{tag}/{label}")
@@ -124,8 +124,12 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
 
 
-def run(engine, prompt: str, evictor, n: int, lengths: list[int]) -> dict:
+def run(engine, prompt: str, evictor, n: int, lengths: list[int], held=None) -> dict:
+    """One proposal of `n` greedy rows read at each length of `lengths`: tok/s and the KV held
+    (`held(engine, done)`, `kv_held` by default) at each."""
     from kvflow.components.engine import ProposeRequest, SamplingSpec, StartRequest
+
+    held = held or kv_held
 
     spec = SamplingSpec(n, 0.0, 1.0, max(lengths) + 32, "\x00\x01")  # +32: the last checkpoint is read while decoding
     (state,) = engine.start([StartRequest(prompt, evictor, 1)])
@@ -140,7 +144,7 @@ def run(engine, prompt: str, evictor, n: int, lengths: list[int]) -> dict:
             length = todo.pop(0)
             point = {"tokens": length, "s": round(now - t0, 2), "tok_per_s": round(n * length / (now - t0), 2),
                      "stretch_tok_per_s": round(n * (length - last[0]) / max(1e-9, now - last[1]), 2)}
-            point.update(_kv_held(engine, done))
+            point.update(held(engine, done))
             points.append(point)
             last = (length, time.perf_counter())
     engine.release([state], done)
@@ -157,7 +161,8 @@ def _tokens_so_far(engine, done) -> int:
     return min(len(row.tokens) for row in engine.running[0].rows)
 
 
-def _kv_held(engine, done) -> dict:
+def kv_held(engine, done) -> dict:
+    """The KV a checkpoint reports: SGLang's slots in use, or hf's resident tokens and bytes."""
     if engine.backend == "sglang":
         info = engine.server_state()
         return {"kv_slots_used": info["kv_slots_total"] - info["kv_slots_free"] - info["kv_slots_evictable"]}
@@ -168,7 +173,8 @@ def _kv_held(engine, done) -> dict:
     return {"kv_tokens_per_row": longest, "kv_bytes": sum(c.resident_bytes() for c in caches)}
 
 
-def _warm(engine, prompt: str, full) -> None:
+def warm(engine, prompt: str, full) -> None:
+    """One short full-context proposal, so that the measured run does not pay first-call costs."""
     from kvflow.components.engine import ProposeRequest, SamplingSpec, StartRequest
     from kvflow.testing.engine_contract import run_to_end
 

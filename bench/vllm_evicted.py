@@ -69,7 +69,6 @@ def main() -> None:
                  "kv_bytes_per_token": kv_bytes_per_token, "cpu": cpu_model(), "machine": platform.machine(),
                  "threads": threads, "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
                  "load_before": os.getloadavg(), "runs": {}}
-    sglang_evicted._kv_held = _kv_held  # vLLM has no pool query: report SGLang's slots only
     for backend in args.engines.split(","):
         for memory in args.memory.split(","):
             settings = _settings(backend, memory, args.tight_tokens, kv_bytes_per_token)
@@ -81,8 +80,8 @@ def main() -> None:
                 try:
                     prompt = dataset_prompts(engine, 1)[0]
                     never_stop_at_eos(engine)
-                    sglang_evicted._warm(engine, prompt, full)
-                    result = sglang_evicted.run(engine, prompt, ev, args.n, lengths)
+                    sglang_evicted.warm(engine, prompt, full)
+                    result = sglang_evicted.run(engine, prompt, ev, args.n, lengths, held=_kv_held)  # vLLM has no pool query: SGLang's slots only
                     result["engine_settings"] = settings
                     result["stats"] = {k: v for k, v in engine.stats().items() if isinstance(v, (int, float))}
                 except Exception as exc:  # noqa: BLE001 - a configuration that fails is a result too
