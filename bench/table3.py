@@ -22,7 +22,7 @@ other jobs on a shared machine than wall time), and the peak KV bytes reserved, 
 flight (manifest.json's `kv_admission`).
 
     python bench/table3.py [--problems 8] [--n 4] [--max-tokens 256] [--budget 64 --buffer 32]
-        [--tight 1 --ample 8] [--threads 1] [--engine hf|sglang] [--modes default,deterministic]
+        [--tight 1 --ample 8] [--threads 1] [--engine hf|sglang|vllm] [--modes default,deterministic]
 
 `--modes default,deterministic` runs each method also with `run.deterministic` (hf's
 batch-invariant forwards), as `<method>+deterministic`, with its tokens/s over the default's
@@ -31,6 +31,9 @@ batch-invariant forwards), as `<method>+deterministic`, with its tokens/s over t
 Prints one JSON object (and writes it to `--out`). `--engine sglang` runs the same pipelines
 on SGLang (each model's worker pool sized from run.kv_memory by
 kvflow.runtime.kv_budget.kv_memory_engines; CPU time is then not measured: it is the worker's).
+`--engine vllm` runs them on vLLM: kvflow's admission bounds the KV by `run.kv_memory` (vLLM's
+own pool keeps its default size, and evicted rows live in kvflow's budgeted cache inside the
+worker, beside vLLM's blocks: docs/backends.md#vllm-evicted); CPU time is the worker's too.
 """
 
 from __future__ import annotations
@@ -171,7 +174,7 @@ def main() -> None:
     ap.add_argument("--ample", type=int, default=None, help="problems full KV fits at the ample memory (default: all)")
     ap.add_argument("--threads", type=int, default=1, help="run.threads (one is fastest on a small shared CPU)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
-    ap.add_argument("--engine", choices=("hf", "sglang"), default="hf")
+    ap.add_argument("--engine", choices=("hf", "sglang", "vllm"), default="hf")
     ap.add_argument("--methods", default="full,evicted,kv_rescue")
     ap.add_argument("--modes", default="default", help="default and/or deterministic (run.deterministic), comma-separated")
     ap.add_argument("--cache", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "kvflow-bench-table3"))
