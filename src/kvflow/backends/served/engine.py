@@ -239,8 +239,7 @@ class ServedEngine(SnapshotStates, StreamedRows, EngineBase):
                                       f"(kvflow did not){why}")
                 row.finish = _FINISH[finish]
             else:  # kvflow stopped it on tokens that came with the engine's own end: nothing left to abort
-                made = meta.get("completion_tokens") or 0
-                self.counters["tokens_after_stop"] += max(0, made - self._used.pop(row.rid, made))
+                self._count_after_stop(row.rid, meta)
         return rows
 
     def _dispatch(self, msg, fresh, ends) -> None:
@@ -259,8 +258,7 @@ class ServedEngine(SnapshotStates, StreamedRows, EngineBase):
         owner = self._rows.get(rid)
         if owner is None:
             if kind == "end":  # a candidate kvflow stopped: what the engine made after the stop
-                used = msg[3].get("completion_tokens") or 0
-                self.counters["tokens_after_stop"] += max(0, used - self._used.pop(rid, used))
+                self._count_after_stop(rid, msg[3])
                 self._count_meta(msg[3])
             return
         running, row = owner
@@ -273,6 +271,11 @@ class ServedEngine(SnapshotStates, StreamedRows, EngineBase):
             self._rows.pop(rid, None)
         elif kind == "error":
             raise EngineError(f"{self.worker.where}: {self.engine_name} request failed: {msg[2]}")
+
+    def _count_after_stop(self, rid: str, meta: dict) -> None:
+        """A candidate kvflow stopped has ended in the engine: the tokens it made past kvflow's stop."""
+        made = (meta or {}).get("completion_tokens") or 0
+        self.counters["tokens_after_stop"] += max(0, made - self._used.pop(rid, made))
 
     def _count_meta(self, meta: dict) -> None:
         """Add a reply's counts to the counters of the same name (`*_peak`: keep the largest)."""

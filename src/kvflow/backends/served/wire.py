@@ -49,7 +49,7 @@ def write_message(stream, msg: Any) -> None:
 def _plain(obj: Any) -> Any:
     if hasattr(obj, "tolist"):
         return obj.tolist()
-    if isinstance(obj, (set, frozenset, tuple)):
+    if isinstance(obj, (set, frozenset)):
         return list(obj)
     raise TypeError(f"{type(obj).__name__} cannot cross to kvflow's process")
 
