@@ -111,7 +111,7 @@ def parameter_count(model_cfg: Any) -> tuple[Optional[float], str]:
     """(parameters, where the number came from) of a ModelConfig, without weights or network:
     the checkpoint or config.json where at hand, else a paper preset by name, else the size
     in the id (a name-based estimate), else (None, "unknown")."""
-    from kvflow.models.shapes import PRESETS, resolve_shape
+    from kvflow.models.shapes import PRESETS, hub_cached, resolve_shape
     from kvflow.models.catalog import CatalogError, get_entry
     from kvflow.models.loading import resolve_source
 
@@ -119,7 +119,7 @@ def parameter_count(model_cfg: Any) -> tuple[Optional[float], str]:
     try:
         src = resolve_source(model_cfg.id, getattr(model_cfg, "gguf_file", None))
         if src.kind == "hub":
-            spec = _hub_config(src.ref, getattr(model_cfg, "revision", None))
+            spec = hub_cached(src.ref, "config.json", getattr(model_cfg, "revision", None))
         elif src.kind == "catalog":  # its converted copy's config, if converted already
             converted = sorted(get_entry(src.ref).path().parent.glob("hf-*/config.json"))
             spec = str(converted[0]) if converted else None
@@ -144,16 +144,6 @@ def parameter_count(model_cfg: Any) -> tuple[Optional[float], str]:
         number, unit = sizes[-1]
         return float(number) * (1e9 if unit.lower() == "b" else 1e6), f"a name-based estimate ('{number}{unit}' in the id)"
     return None, "unknown"
-
-
-def _hub_config(repo: str, revision: Optional[str]) -> Optional[str]:
-    try:
-        from huggingface_hub import try_to_load_from_cache
-
-        got = try_to_load_from_cache(repo, "config.json", revision=revision)
-    except Exception:  # noqa: BLE001 - not a valid repo id
-        return None
-    return got if isinstance(got, str) else None
 
 
 def demand_of(key: str, model_cfg: Any, also: tuple[str, ...] = ()) -> Demand:
