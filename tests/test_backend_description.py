@@ -38,7 +38,7 @@ def test_a_class_that_does_not_subclass_backend_gets_its_defaults_and_keeps_its_
     assert b.check_evictor(cfg, "small", evictor_cls=object) == ("params.budget", "too small")
     assert b.evicts is True and b.serves_position_values is False and b.contract_arch == "qwen2"
     assert b.gpu_layout(cfg) == GpuLayout() and b.kv_pool_settings(cfg, 10**9, 100.0) is None
-    assert b.placed_settings(cfg, 3, 0.5) == {} and b.position_value_settings(cfg, head=True) == {}
+    assert b.placed_settings(cfg, 3, 0.5) == {} and b.position_value_settings(head=True) == {}
     settings, why = b.batch_invariant(cfg)
     assert settings is None and "does not declare batch-invariant decoding" in why
 
@@ -66,8 +66,8 @@ def test_the_built_in_backends_say_what_differs():
     assert sglang.kv_pool_settings(plain, 1000, 10.0) == {"max_total_tokens": 100}
     assert hf.gpu_layout(plain).fraction_setting is None and vllm.kv_pool_settings(plain, 1000, 10.0) is None
     assert sglang.serves_position_values and vllm.serves_position_values and not hf.serves_position_values
-    assert vllm.position_value_settings(plain, head=True)["runner"] == "pooling"
-    assert sglang.position_value_settings(plain, head=False) == {}
+    assert vllm.position_value_settings(head=True)["runner"] == "pooling"
+    assert sglang.position_value_settings(head=False) == {}
 
 
 def test_an_engine_that_does_not_subclass_enginebase_gets_the_optional_members_at_load():

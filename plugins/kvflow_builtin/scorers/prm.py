@@ -142,7 +142,7 @@ class PRMScorer(StepScorer):
         what the backend says per-position values of a PRM head, or of label tokens, need."""
         if not serves_values(backend):
             return {}
-        return _backend(backend).position_value_settings(None, head=params.protocol == "qwen25-math-prm")
+        return _backend(backend).position_value_settings(head=params.protocol == "qwen25-math-prm")
 
     def __init__(self, params, context) -> None:
         super().__init__(params, context)

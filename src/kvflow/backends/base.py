@@ -97,7 +97,7 @@ class Backend:
         return {}
 
     @staticmethod
-    def position_value_settings(model_cfg, head: bool) -> dict:
+    def position_value_settings(head: bool) -> dict:
         """Engine settings a scorer's model needs for per-position values: a process reward
         model's head outputs (`head=True`) or label log-probabilities."""
         return {}

@@ -102,7 +102,7 @@ class SGLangBackend(Backend):
         return out
 
     @staticmethod
-    def position_value_settings(model_cfg, head: bool) -> dict:
+    def position_value_settings(head: bool) -> dict:
         """A PRM's head outputs come back as hidden states, which SGLang keeps for the last
         chunk of a chunked prefill only: no chunks (a scoring engine only prefills)."""
         return {"enable_return_hidden_states": True, "chunked_prefill_size": -1} if head else {}

@@ -46,7 +46,7 @@ class VLLMBackend(Backend):
         return check_evicting(model_cfg, params)
 
     @staticmethod
-    def position_value_settings(model_cfg, head: bool) -> dict:
+    def position_value_settings(head: bool) -> dict:
         """A PRM on vLLM's pooling runner, pooling every position (vLLM's PRM pools at its step
         tag, 151651, Qwen's `<extra_0>`, by default), so that any tokenizer's tags are read where
         kvflow finds them."""
