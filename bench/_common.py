@@ -1,6 +1,6 @@
-"""What every benchmark script shares: the run record a result carries (date, command, machine,
-versions) and writing results. Scripts run as `python bench/<script>.py`, so this directory is
-on their import path: `from _common import run_record, machine_line`.
+"""What every benchmark script shares: the machine a result names, writing results, and the
+scenarios several scripts run. Scripts run as `python bench/<script>.py`, so this directory is
+on their import path: `from _common import machine_line, write_json`.
 
 The machine is read from `lscpu` (the CPU's model name and logical cores; `/proc/cpuinfo` where
 lscpu is missing) with its native bf16 matrix instructions (`kvflow.versions.cpu`: what decides
@@ -14,8 +14,6 @@ import json
 import os
 import platform
 import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -60,29 +58,11 @@ def machine_line(m: dict | None = None) -> str:
     return f"{m['cpu']}, {m['cores']} cores{bf16}{load}{gpu}"
 
 
-def run_record(**fields: Any) -> dict[str, Any]:
-    """A result's record: date (UTC, day), the command that made it, the machine, kvflow's
-    versions, then the script's own fields."""
-    from kvflow.versions import installed_versions
-
-    return {"date": time.strftime("%Y-%m-%d", time.gmtime()), "command": " ".join([Path(sys.argv[0]).as_posix(),
-                                                                                     *sys.argv[1:]]),
-            "machine": machine(), "versions": installed_versions(), **fields}
-
-
-def append_jsonl(path: Path, record: dict) -> None:
-    """Append one record to a JSON-lines results file (its directory made)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
-def write_json(path: Path, obj: Any) -> None:
+def write_json(path: Path, obj: Any, indent: int = 1) -> None:
     """Write a JSON results file whole (its directory made)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj, indent=2) + "\n")
+    path.write_text(json.dumps(obj, indent=indent) + "\n")
 
 
 # --------------------------------------------------------------------------- shared scenarios

@@ -26,6 +26,7 @@ import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from _common import write_json  # noqa: E402 - bench/ is on sys.path
 
 SHAPES = {"smollm2-135m": (30, 576, 9, 3, 1536), "qwen2.5-0.5b": (24, 896, 14, 2, 4864),
           "qwen2.5-1.5b": (28, 1536, 12, 2, 8960), "qwen2.5-7b": (28, 3584, 28, 4, 18944)}
@@ -138,8 +139,7 @@ def main() -> None:
     out["cost"]["prefill_on_vs_off"] = round(out["cost"]["on"]["prefill_s"] / out["cost"]["off"]["prefill_s"], 3)
     out["load_after"] = os.getloadavg()
     print(json.dumps(out, indent=1))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    write_json(Path(args.out), out)
     bad = any(out["bits"]["on"].values())
     sys.exit(1 if bad else 0)
 

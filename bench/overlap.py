@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -48,7 +47,7 @@ def main() -> None:
     from kvflow.runtime.scheduler import Occupancy, run
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from _common import cpu_model  # noqa: E402 - the same machine record
+    from _common import cpu_model, write_json  # noqa: E402 - the same machine record
 
     if args.tiny_base:
         import tempfile
@@ -97,8 +96,7 @@ def main() -> None:
     mean = {m: sum(r["wall_s"] for r in runs if r["mode"] == m) / len(committed[m]) for m in committed}
     if "on" in mean and "off" in mean:
         out["wall_ratio_on_over_off"] = round(mean["on"] / mean["off"], 3)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    write_json(Path(args.out), out)
     print(json.dumps({k: out.get(k) for k in ("same_trajectories", "wall_ratio_on_over_off")}))
 
 

@@ -47,7 +47,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
-from _common import machine_line  # noqa: E402 - bench/ is on sys.path
+from _common import machine_line, write_json  # noqa: E402 - bench/ is on sys.path
 
 KVFLOW = [sys.executable, "-c", "from kvflow.cli import main; main()"]
 
@@ -374,8 +374,7 @@ def main() -> None:
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine_line(),
               "load_avg": os.getloadavg(), "pipeline": str(args.pipeline or "kvflow.testing tiny (bench.jsonl)"),
               "run": run, "serve": levels, **({"soak": soak} if soak else {})}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result, indent=2)
     print(json.dumps(result, indent=2))
 
 

@@ -57,7 +57,7 @@ def main() -> None:
     from kvflow.registry import get_registry
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from _common import cpu_model, dataset_prompts, never_stop_at_eos  # noqa: E402 - the same machine record
+    from _common import cpu_model, dataset_prompts, never_stop_at_eos, write_json  # noqa: E402 - the same machine record
 
     threads = int(os.environ.get("OMP_NUM_THREADS", "2"))
     torch.set_num_threads(threads)
@@ -120,8 +120,7 @@ def main() -> None:
                     ratios = out.setdefault("evicted_over_full", {}).setdefault(backend, {}).setdefault(kind, {})
                     ratios[length] = round(a["tok_per_s"] / b["tok_per_s"], 3)
     print(json.dumps(out, indent=1))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    write_json(Path(args.out), out)
 
 
 def run(engine, prompt: str, evictor, n: int, lengths: list[int], held=None) -> dict:

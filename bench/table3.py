@@ -47,6 +47,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import yaml
+from _common import write_json  # noqa: E402 - bench/ is on sys.path
 
 #: (layers, hidden, heads, KV heads, intermediate) of the random-weight base (the helper: half the layers)
 SHAPES = {"smollm2-135m": (30, 576, 9, 3, 1536), "qwen2.5-0.5b": (24, 896, 14, 2, 4864)}
@@ -222,8 +223,7 @@ def main() -> None:
                     r["vs_full_cpu"] = round(r["problems_per_cpu_min"] / runs["full"]["problems_per_cpu_min"], 3)
     out["load_after"] = os.getloadavg()
     print(json.dumps(out, indent=1))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    write_json(Path(args.out), out)
 
 
 if __name__ == "__main__":

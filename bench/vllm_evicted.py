@@ -49,7 +49,7 @@ def main() -> None:
 
     sys.path.insert(0, str(Path(__file__).parent))
     import sglang_evicted  # noqa: E402 - the same scenario
-    from _common import cpu_model, dataset_prompts, never_stop_at_eos  # noqa: E402 - the same machine record
+    from _common import cpu_model, dataset_prompts, never_stop_at_eos, write_json  # noqa: E402 - the same machine record
 
     from kvflow.backends.base import backend_named
     from kvflow.config.schema import ModelConfig
@@ -101,8 +101,7 @@ def main() -> None:
             ratios[a["tokens"]] = round(a["tok_per_s"] / b["tok_per_s"], 3)
     out["load_after"] = os.getloadavg()
     print(json.dumps(out, indent=1))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    write_json(Path(args.out), out)
 
 
 def _settings(backend: str, memory: str, tight_tokens: int, kv_bytes_per_token: int) -> dict:
