@@ -344,9 +344,8 @@ class EngineBase:
         return 0
 
 
-#: the members `adopt_defaults` gives an engine that lacks them
-OPTIONAL_MEMBERS = ("protocol", "evicts", "exact_entropy", "streams", "scores_prompts", "settings", "stats",
-                    "close", "reset", "context_length", "kv_pool_tokens", "cancel", "prompt_logprobs")
+#: the members `adopt_defaults` gives an engine that lacks them: every public one of `EngineBase`
+OPTIONAL_MEMBERS = tuple(name for name in vars(EngineBase) if not name.startswith("_"))
 
 
 def adopt_defaults(engine: object) -> None:
