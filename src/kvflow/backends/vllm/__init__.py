@@ -7,10 +7,11 @@
                  arguments of a model entry, and the settings kvflow refuses;
 - `in_worker/`   what runs inside the worker process, in vLLM's environment: the worker (run by
                  its path; kvflow is imported from kvflow's import path) and kvflow's evicted
-                 requests inside it (`evict.py`: kvflow's budgeted cache beside vLLM's).
+                 requests inside it (`evict.py`: uniform budgets in vLLM's own blocks, attended
+                 by vLLM's kernel, `blocks.py`; budgets varying by layer or head beside them, `beside.py`).
 
-Not built yet, and refused before anything loads: evicted proposers on a GPU or with graphs
-(`check_evictor`) and quantized KV. Install: `scripts/install.sh vllm` (docs/backends.md, "vllm").
+Refused before anything loads (`check_evictor`): budgets varying by layer or head off a CPU or
+under graphs, an evictor's own `observe()` under CUDA graphs, quantized KV. Install: `scripts/install.sh vllm` (docs/backends.md, "vllm").
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class VLLMBackend(Backend):
     """vLLM's engine in a worker process started with vLLM's own interpreter.
 
     Registered as backend `vllm`; `load()` returns a `VLLMEngine`. Runs proposers (evicted ones
-    on a CPU, through `in_worker/evict.py`), the scorers that need prompt log-probabilities
+    through `in_worker/evict.py`), the scorers that need prompt log-probabilities
     (`likelihood`) and per-position values (`prm`, `llm_judge`)."""
 
     name = "vllm"
@@ -43,7 +44,7 @@ class VLLMBackend(Backend):
         else (field, sentence): `params.<name>` of the evictor, or `engine.<name>` / `device` of the model."""
         from kvflow.backends.vllm.settings import check_evicting
 
-        return check_evicting(model_cfg, params)
+        return check_evicting(model_cfg, params, evictor_cls)
 
     @staticmethod
     def position_value_settings(head: bool) -> dict:
@@ -57,8 +58,9 @@ class VLLMBackend(Backend):
         from kvflow.backends.vllm.settings import COMMON, CPU
 
         return ["vLLM in a worker process (its own environment: .venv-vllm or KVFLOW_VLLM_PYTHON); "
-                "full-context requests in vLLM's blocks (prefix cache on), evicted ones on a CPU in kvflow's "
-                "budgeted cache inside the worker; kvflow's defaults: "
+                "full-context requests in vLLM's blocks (prefix cache on), evicted ones in vLLM's blocks too "
+                "(compacted in place; budgets varying by layer or head in kvflow's cache beside them, on a CPU); "
+                "kvflow's defaults: "
                 + ", ".join(f"{k}={v}" for k, v in COMMON.items())
                 + "; where no GPU also " + ", ".join(f"{k}={v}" for k, v in CPU.items())
                 + " (docs/backends.md, \"vLLM\")"]

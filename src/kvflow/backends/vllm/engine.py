@@ -36,9 +36,11 @@ class VLLMEngine(ServedEngine):
     engine_name = "vLLM"
     RECORDED = RECORDED
     CONTEXT_SETTING = "max_model_len"
-    #: evicted requests' counters: forwards vLLM recomputed one in, stand-in tokens skipped on
-    #: null blocks, the most KV blocks in use after any step
-    OWN_COUNTERS = ("evicted_recomputes", "standins_skipped", "kv_blocks_peak")
+    #: evicted requests' counters: forwards vLLM recomputed one beside its blocks in, tokens its own
+    #: KV held (not computed), the most KV blocks in use after any step, preemptions of requests in
+    #: vLLM's blocks, the most blocks one evicted request held, compactions in vLLM's blocks
+    OWN_COUNTERS = ("evicted_recomputes", "standins_skipped", "kv_blocks_peak", "evicted_preemptions",
+                    "evicted_blocks_peak", "evicted_compactions")
 
     def _send_row(self, req: ProposeRequest, i: int, row: Row, cap: int) -> None:
         spec = req.spec

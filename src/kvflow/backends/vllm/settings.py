@@ -41,7 +41,8 @@ RESERVED = {"model": "id", "tokenizer": "tokenizer", "dtype": "dtype", "revision
 #: (prefix caching), logprobs are the model's own at temperature 1 (`raw_logprobs`: kvflow's
 #: contract, whatever the temperature and top-p), 20 top logprobs per token (entropy estimate
 #: and token confidence), vLLM's own per-request seeds
-COMMON = {"enable_prefix_caching": True, "logprobs_mode": "raw_logprobs", "max_logprobs": 20, "seed": 0}
+COMMON = {"enable_prefix_caching": True, "logprobs_mode": "raw_logprobs", "max_logprobs": 20, "seed": 0,
+          "async_scheduling": False, "disable_cascade_attn": True}
 
 #: defaults without a GPU: eager (no torch.compile: minutes of start-up for nothing on a CPU)
 #: and a bounded KV cache (vLLM would reserve a fraction of the machine's whole memory, and
@@ -111,22 +112,38 @@ def check_settings(model_cfg) -> Optional[tuple[str, str]]:
     return reserved_problem(model_cfg.engine or {}, RESERVED) or refusal(model_cfg.engine or {})
 
 
-def check_evicting(model_cfg, params) -> Optional[tuple[str, str]]:
-    """(field, sentence) where an evicted proposer cannot run on this model entry, else None:
-    kvflow's evicted attention replaces vLLM's CPU attention backend and runs eagerly in Python
-    (`evict.py`), so a GPU (another attention backend, CUDA graphs) and graphs are refused, and so
-    is quantized KV storage (hf only)."""
+def check_evicting(model_cfg, params, evictor_cls=None) -> Optional[tuple[str, str]]:
+    """(field, sentence) where an evicted proposer cannot run on this model entry, else None.
+    Uniform budgets run in vLLM's own blocks on any device, graphs on (`in_worker/blocks.py`);
+    budgets that vary by layer or head run beside vLLM's blocks in Python (`in_worker/beside.py`):
+    a CPU, eagerly; an evictor's own `observe()` runs per request in Python: eagerly; quantized KV
+    storage is `hf`'s only. The worker checks again what vLLM resolved (`evict.Runtime.refusal`)."""
+    from kvflow.models.loading import resolve_device
+
     if getattr(params, "quantize", None):
         return ("params.quantize", "backend 'vllm' does not store quantized KV (evictor `quantize`); put this "
                                    "proposer's model on backend 'hf', or set `quantize: null`")
-    if model_cfg.device not in ("cpu", "auto"):  # `auto` on a GPU: the worker refuses the first evicted request
-        return ("device", f"evicted proposers on backend 'vllm' run on a CPU only for now (kvflow's evicted attention "
-                          f"replaces vLLM's CPU attention backend), not on {model_cfg.device!r}: put this proposer's "
-                          "model on backend 'sglang' or 'hf'")
-    if (model_cfg.engine or {}).get("enforce_eager") is False:
-        return ("engine.enforce_eager", "evicted proposers on backend 'vllm' run eagerly (a captured graph would "
-                                        "replay the model past kvflow's evicted attention): remove `enforce_eager: false`")
+    device = resolve_device(model_cfg.device)
+    eager = (model_cfg.engine or {}).get("enforce_eager", device == "cpu")
+    if evictor_cls is None:
+        return None
+    ev = evictor_cls(params)
+    if ev.varies(VARIES_PROBE_LAYERS):
+        if device != "cpu":
+            return ("device", f"this evictor's budget varies by layer or head, which vLLM's kernel cannot attend (one "
+                              f"length per request): kvflow runs it beside vLLM's blocks on a CPU only, not on "
+                              f"{model_cfg.device!r}: put this proposer's model on backend 'sglang' or 'hf'")
+        if (model_cfg.engine or {}).get("enforce_eager") is False:
+            return ("engine.enforce_eager", "this evictor's budget varies by layer or head, which kvflow attends in "
+                                            "Python beside vLLM's kernel: remove `enforce_eager: false`")
+    if ev.observes_attention and not eager and device != "cpu":
+        return ("engine.enforce_eager", "this evictor observes attention with its own observe(), which kvflow runs per "
+                                        "request in Python, past vLLM's CUDA graphs: set `enforce_eager: true`")
     return None
+
+
+#: layers a model is assumed to have when asking an evictor whether its budget varies by layer
+VARIES_PROBE_LAYERS = 32
 
 
 def check_model(model_cfg) -> Optional[str]:

@@ -1,114 +1,72 @@
-"""Evicted requests inside vLLM: kvflow's budgeted cache beside vLLM's paged one.
+"""Evicted requests inside vLLM: kvflow's hooks in the worker, and the path each request takes.
 
 This module runs in the vLLM worker process (`worker.py` imports it before the engine starts,
 with kvflow's import roots appended to `sys.path`: vLLM's own torch, transformers and pydantic
-stay first). It imports kvflow's `hf` cache and attention code and nothing of kvflow's
-client side. A request opts in with a spec (`worker.py`'s `generate` message):
+stay first). A request opts in with a spec (`worker.py`'s `generate` message):
 
     {"evictor": "module:Class", "params": {...}, "rng_key": int, "n_protected": int,
-     "first": int,              # logical position of the first token the evicted cache has not seen
+     "first": int,              # logical position of the first token the request's KV has not seen
      "from": snapshot id | None, "save_as": snapshot id | None, "drop": [snapshot ids]}
 
-Layout. An evicted request's resident keys and values per (layer, KV head) live in a
-`kvflow.backends.hf.cache.BudgetedCache` of one row (the very cache `hf` decodes with:
-same write plans, same compactions, same `Evictor.select` calls, same query window and H2O
-statistic), not in vLLM's blocks. vLLM still runs the request as a normal one whose input
-is the whole logical sequence: every token keeps vLLM's logical position (RoPE, token ids).
-Tokens before the budgeted cache's next position are stand-ins: the cache already holds what
-they left, so vLLM counts them computed (on null blocks, block-aligned: the few after the last
-whole block it computes, and their outputs are not used). Tokens from there on are the evicted
-request's own: each layer's attention for them is recomputed over the budgeted cache
-(`kvflow.backends.hf.attention.kvflow_attention`, sdpa with the cache's mask) and written over
-what vLLM's kernel returned, and the cache compacts at `budget + buffer`
-exactly as on `hf`. So the same evictor keeps the same tokens on both engines.
+Two paths, chosen per request from its evictor:
+- `blocks.py` (every evictor whose (layer, KV head)s keep the same count of tokens): the KV in
+  the request's own vLLM blocks, attended by vLLM's own kernel, compacted in place, its tail
+  blocks freed to vLLM's pool at each compaction; CPU and GPU, graphs on;
+- `beside.py` (budgets that vary by layer or head: PyramidKV, Ada-KV): kvflow's budgeted cache
+  beside vLLM's blocks, attention recomputed in Python; CPU and eager only.
+`Runtime.refusal` refuses a request before vLLM sees it where its path cannot run.
 
 Seams (no vLLM file is changed):
-- the attention backend: `CPU_ATTN` is replaced through vLLM's attention backend registry
-  (`register_backend`) by `EvictingBackend`, whose impl runs vLLM's kernel, then the evicted
-  rows; layer 0 of a forward plans it (which requests, which tokens: vLLM's input batch and
-  the attention metadata), the last layer ends it (`BudgetedCache.end_forward`: compaction);
-- the KV cache manager (`install`, on the engine's scheduler): an evicted request takes no block
-  of vLLM's pool. Its block table is vLLM's null block at every position (vLLM's kernel writes and
-  reads scratch there; the evicted rows never read it), so its KV memory is its budgeted cache
-  alone, it never makes vLLM preempt another request, and nothing of it reaches the prefix cache
-  (never looked up, never cached);
-- preemption: vLLM may still preempt an evicted request to free blocks for another (it frees
-  none) and run it again from its first token later: its stand-ins reach the cache's next
-  position then, so it goes on where it was.
+- the attention backend: `CPU_ATTN` and `FLASH_ATTN` are replaced through vLLM's attention
+  backend registry (`register_backend`) by subclasses whose impl runs vLLM's own forward, then
+  kvflow's part (`Runtime.attend`);
+- the KV cache manager (`install`, on the engine's scheduler): `get_computed_blocks`,
+  `allocate_slots`, `free` and the prefix cache's `cache_blocks` route an evicted request to
+  its path (an evicted request never reads or fills the prefix cache);
+- the model runner's `_prepare_inputs` (the evicted rows' physical lengths and slots, written
+  into vLLM's persistent metadata tensors) and the scheduler's `update_from_output` (before it:
+  the step's bookkeeping and compactions, so the next schedule sees the freed blocks).
 
-What this does not do yet: the budgeted caches live in the worker's memory beside vLLM's pool
-(bounded: `budget + buffer` tokens per (layer, KV head) and request), not compacted in vLLM's own
-blocks; vLLM's kernel still runs an evicted request's rows over its (null) block table, and the
-evicted rows are then attended one request at a time in Python; no CUDA graph may replay the
-model (the worker refuses evicted requests unless vLLM runs eagerly).
+Engine-wide settings (the worker's environment): `KVFLOW_VLLM_QUERY_WINDOW` (W, default 32: the
+longest query window an evictor may read; the ring holds W queries per row and layer),
+`KVFLOW_VLLM_EVICTED_ROWS` (E, default 64: evicted requests admitted at once), and
+`KVFLOW_VLLM_REPLAY_PROXY=1` (`replay.py`).
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import re
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
-from kvflow.backends.hf.attention import kvflow_attention
-from kvflow.backends.hf.cache import BudgetedCache
-from kvflow.backends.hf.rows import new_rows
+from kvflow.backends.vllm.in_worker.beside import Beside, EvictedRequestError
+from kvflow.backends.vllm.in_worker.blocks import InBlocks, Paged
+from kvflow.backends.vllm.in_worker.replay import proxy_from_env
 
-
-class EvictedRequestError(RuntimeError):
-    """vLLM ran an evicted request in a way its budgeted cache cannot follow."""
-
-
-@dataclass
-class Live:
-    """An evicted request vLLM is running."""
-
-    cache: BudgetedCache  # one row: its resident tokens per (layer, KV head)
-    first: int  # logical position of the request's first evicted token (before it: stand-ins)
-    next: int  # logical position of the next token the cache takes
-    save_as: Optional[str]
-    error: Optional[str] = None
-    recomputes: int = 0  # forwards that ran tokens it had already taken again (vLLM preempted it: recompute)
-
-
-class _Module:
-    """What `kvflow_attention` / transformers' sdpa read of an attention module."""
-
-    def __init__(self, layer_idx: int, groups: int, scaling: float) -> None:
-        self.layer_idx, self.num_key_value_groups, self.scaling = layer_idx, groups, scaling
-        self.is_causal, self.training = True, False
-
+__all__ = ["EvictedRequestError", "RUNTIME", "Runtime", "register"]
 
 _LAYER = re.compile(r"\.(\d+)\.")
+HOOKED = ("CPU_ATTN", "FLASH_ATTN")  # the attention backends kvflow's impl subclasses
 
 
 class Runtime:
-    """All evicted requests of one vLLM worker."""
+    """All evicted requests of one vLLM worker, and the engine facts their paths need."""
 
     def __init__(self) -> None:
-        self.live: dict[str, Live] = {}  # vLLM's (internal) request id -> its state
-        self.snapshots: dict[str, BudgetedCache] = {}
-        self.runner: Any = None  # vLLM's model runner (`install`)
-        self.num_layers = 0
-        self.kv_heads = 0
-        self.plan: list[tuple[Live, int, int]] = []  # this forward's evicted rows: (live, first token, end)
+        self.blocks = InBlocks(int(os.environ.get("KVFLOW_VLLM_QUERY_WINDOW", "32") or 32),
+                               int(os.environ.get("KVFLOW_VLLM_EVICTED_ROWS", "64") or 64))
+        self.blocks.proxy = proxy_from_env()
+        self.beside = Beside()
+        self.installed = False
+        self.layers = self.kv_heads = 0
+        self.backend = ""  # the attention backend vLLM picked
+        self.device = "cpu"
+        self.graphs = False  # vLLM replays CUDA graphs of the forward
+        self.problem: Optional[str] = None  # why no evicted request can run on this engine
         self._evictors: dict[str, Any] = {}
-        self.hooked = False  # every attention layer runs `EvictingImpl` (vLLM picked CPU_ATTN)
-        self.eager = False  # vLLM runs the model eagerly (no graph replays a forward past these hooks)
-
-    def refusal(self) -> Optional[str]:
-        """Why this engine cannot run an evicted request, or None."""
-        if self.runner is None:
-            return "kvflow's hooks were not installed in this vLLM engine"
-        if not self.hooked:
-            return ("vLLM picked an attention backend other than CPU_ATTN for this model; kvflow's evicted "
-                    "requests run on vLLM's CPU attention only (for now): put this proposer's model on 'hf' or 'sglang'")
-        if not self.eager:
-            return ("vLLM captures graphs here (enforce_eager: false): a replayed graph would skip kvflow's "
-                    "evicted attention; set `engine: {enforce_eager: true}` on this model entry")
-        return None
 
     # ------------------------------------------------------------------ requests
 
@@ -123,155 +81,211 @@ class Runtime:
             ev = self._evictors[key] = cls(cls.Params(**spec["params"]))
         return ev
 
+    def in_blocks(self, ev) -> bool:
+        return not ev.varies(self.layers)
+
+    def refusal(self, ev) -> Optional[str]:
+        """Why this engine cannot run a request of this evictor, or None."""
+        if not self.installed:
+            return "kvflow's hooks were not installed in this vLLM engine"
+        if self.problem:
+            return self.problem
+        if not self.in_blocks(ev):
+            return Beside.refusal(self.backend, self.graphs, self.device)
+        if ev.query_window > self.blocks.window:
+            return (f"its query window {ev.query_window} is past this engine's {self.blocks.window} "
+                    "(KVFLOW_VLLM_QUERY_WINDOW in the environment of kvflow's process)")
+        if ev.observes_attention and (self.graphs or self.blocks.proxy is not None):
+            return ("it observes attention with its own observe(), which kvflow runs per request in Python, and this "
+                    "engine replays graphs: set `engine: {enforce_eager: true}` on this model entry")
+        return None
+
     def admit(self, rid: str, spec: dict) -> None:
         """Register vLLM request `rid` (internal id) as evicted, before vLLM schedules it."""
-        for snap in spec.get("drop") or ():
-            self.snapshots.pop(snap, None)
-        if spec.get("from"):
-            base = self.snapshots.get(spec["from"])
-            if base is None:
-                raise EvictedRequestError(f"snapshot {spec['from']!r} does not exist (dropped, or never made)")
-            cache = base.select(torch.tensor([0]))
+        ev = self.evictor(spec)
+        why = self.refusal(ev)
+        if why:
+            raise EvictedRequestError(why)
+        if self.in_blocks(ev):
+            self.blocks.admit(rid, spec, ev, self.kv_heads, self.layers)
         else:
-            cache = BudgetedCache(self.evictor(spec), self.num_layers, new_rows(1), torch.device("cpu"),
-                                  kv_heads=self.kv_heads)
-        cache.rows.rng_keys[0] = int(spec["rng_key"])
-        cache.rows.n_protected[0] = int(spec["n_protected"])
-        if int(cache.rows.positions[0]) != int(spec["first"]):
-            raise EvictedRequestError(f"snapshot holds {int(cache.rows.positions[0])} tokens, the request starts "
-                                      f"its evicted part at {spec['first']}")
-        self.live[rid] = Live(cache, int(spec["first"]), int(spec["first"]), spec.get("save_as"))
+            self.beside.admit(rid, spec, ev)
+        for snap in spec.get("drop") or ():  # a snapshot lives on one path; dropping it on both is harmless
+            self.blocks.drop(snap)
+            self.beside.snapshots.pop(snap, None)
 
-    def end(self, rid: str) -> Optional[Live]:
-        """The request ended (finished or aborted): keep its cache as its snapshot. Returns its
-        state (`error`: what its forwards met, if anything), or None for a request not evicted."""
-        live = self.live.pop(rid, None)
-        if live is not None and live.save_as and live.error is None:
-            self.snapshots[live.save_as] = live.cache
-        return live
+    def end(self, rid: str) -> Optional[tuple[Optional[str], dict]]:
+        """The request ended: (what its forwards met, or None; its counters), or None if it was not evicted."""
+        live = self.beside.end(rid)
+        if live is not None:
+            return live.error, {"evicted_recomputes": live.recomputes}
+        r = self.blocks.end(rid)
+        if r is not None:
+            return r.error, {"evicted_preemptions": r.preemptions, "evicted_blocks_peak": r.blocks_peak,
+                             "evicted_compactions": r.compactions}
+        return None
+
+    def error(self, rid: str) -> Optional[str]:
+        live = self.beside.live.get(rid) or self.blocks.live.get(rid)
+        return live.error if live is not None else None
 
     def kept(self, snap: str) -> dict:
-        """A snapshot's resident keys and values per (layer, KV head), in time order (plain lists)."""
-        cache = self.snapshots[snap]
-        keys, values = [], []
-        for i in range(len(cache.layers)):
-            k, v, heads = cache.resident(i, torch.tensor([0]))
-            keys.append([k[0, h, :n].tolist() for h, n in enumerate(heads[0].tolist())])
-            values.append([v[0, h, :n].tolist() for h, n in enumerate(heads[0].tolist())])
-        return {"keys": keys, "values": values, "compactions": int(cache.rows.compactions[0])}
+        if snap in self.beside.snapshots:
+            return self.beside.kept(snap)
+        return self.blocks.kept(snap)
 
     # ------------------------------------------------------------------ forwards
 
-    def _begin(self, md) -> None:
-        """Plan a forward (at its first layer): each evicted request's tokens from the
-        evicted cache's next position on."""
-        self.plan = []
-        batch = self.runner.input_batch
-        qsl = md.query_start_loc.tolist()
-        seq_lens = md.seq_lens.tolist()
-        for i, rid in enumerate(batch.req_ids[: len(qsl) - 1]):
-            live = self.live.get(rid)
-            if live is None or live.error:
-                continue
-            q_len = qsl[i + 1] - qsl[i]
-            start = seq_lens[i] - q_len  # logical position of the request's first token in this forward
-            if start < live.next and live.next > live.first:
-                # vLLM preempted it and recomputes its tokens (stand-ins now): its evicted cache holds them already
-                live.recomputes += 1
-            if start + q_len <= live.next:
-                continue  # stand-ins only
-            if start > live.next:
-                live.error = (f"vLLM skipped tokens {live.next}..{start - 1} of an evicted request (a prefix-cache "
-                              "hit past its evicted part): its evicted cache cannot follow")
-                continue
-            n = start + q_len - live.next
-            if n > int(live.cache.room()[0]):
-                live.error = f"vLLM ran {n} tokens of an evicted request in one forward, past budget + buffer"
-                continue
-            live.cache.begin_forward(torch.tensor([n]), n)
-            self.plan.append((live, qsl[i + 1] - n, qsl[i + 1]))
-
-    def attend(self, impl, layer_idx: int, query, key, value, md, output) -> None:
-        if layer_idx == 0:
-            self._begin(md)
-        if not self.plan:
-            return
-        module = _Module(layer_idx, impl.num_heads // impl.num_kv_heads, impl.scale)
-        out = output.view(output.shape[0], impl.num_heads, impl.head_size)
-        for live, a, b in self.plan:
-            q = query[a:b].transpose(0, 1)[None]  # [1, q_heads, n, D]
-            k = key[a:b].transpose(0, 1)[None]  # [1, kv_heads, n, D]
-            v = value[a:b].transpose(0, 1)[None]
-            layer = live.cache.layers[layer_idx]
-            keys, values = layer.update(k, v)
-            mask = live.cache.plan(layer_idx).mask
-            attn, _ = kvflow_attention(module, q, keys, values, mask, kvflow_cache=live.cache, scaling=impl.scale,
-                                       dropout=0.0)
-            out[a:b] = attn[0].to(out.dtype)  # [n, q_heads, D]
-        if layer_idx == self.num_layers - 1:
-            for live, a, b in self.plan:
-                live.cache.end_forward(torch.tensor([b - a]))  # compacts at budget + buffer, as on hf
-                live.next += b - a
-            self.plan = []
+    def attend(self, impl, layer, query, key, value, md, output) -> None:
+        idx = getattr(layer, "_kvflow_layer_idx", None)
+        if idx is None:
+            idx = layer._kvflow_layer_idx = _layer_index(layer.layer_name)
+        if self.beside.live:
+            self.beside.attend(impl, idx, query, key, value, md, output)
+        self.blocks.attended(impl, idx, query, self.layers)
 
     # ------------------------------------------------------------------ engine hooks
 
+    def kv_cache_made(self, runner) -> None:
+        """vLLM made its KV cache (`_hook_kv_cache_init`): make the query ring beside it."""
+        mc = runner.model_config
+        q_heads = mc.get_num_attention_heads(runner.parallel_config)
+        self.blocks.ensure_ring(mc.hf_config.num_hidden_layers, q_heads, mc.get_head_size(), mc.dtype,
+                                torch.device(runner.device))
+
     def install(self, engine) -> None:
-        """Hook the in-process engine: its model runner (the input batch of each forward) and
-        its scheduler's KV cache manager (an evicted request's stand-ins and blocks)."""
+        """Hook the in-process engine: its model runner and its scheduler's KV cache manager."""
         core = engine.engine_core.engine_core
-        self.runner = core.model_executor.driver_worker.worker.model_runner
-        model_config = self.runner.model_config
-        self.num_layers = model_config.hf_config.num_hidden_layers
-        self.kv_heads = model_config.get_num_kv_heads(core.vllm_config.parallel_config)
-        self.eager = bool(model_config.enforce_eager)
-        layers = core.vllm_config.compilation_config.static_forward_context.values()
-        impls = [type(layer.impl).__name__ for layer in layers if hasattr(layer, "impl")]
-        self.hooked = bool(impls) and all(name == "EvictingImpl" for name in impls)
+        config = core.vllm_config
+        runner = core.model_executor.driver_worker.worker.model_runner
+        self.layers = config.model_config.hf_config.num_hidden_layers
+        self.kv_heads = config.model_config.get_num_kv_heads(config.parallel_config)
+        self.device = str(config.device_config.device_type)
+        mode = getattr(config.compilation_config, "cudagraph_mode", None)
+        self.graphs = self.device == "cuda" and mode is not None and str(getattr(mode, "name", mode)) != "NONE"
+        attn = {name: layer for name, layer in config.compilation_config.static_forward_context.items()
+                if hasattr(layer, "impl")}
+        impls = {type(layer.impl).__name__ for layer in attn.values()}
+        names = {layer.attn_backend.get_name() for layer in attn.values()}
+        self.backend = ",".join(sorted(names))
         manager = core.scheduler.kv_cache_manager
         groups = manager.coordinator.single_type_managers
-        null = manager.block_pool.null_block
-        block_size = min(group.block_size for group in groups)
-        lookup, allocate, cache = manager.get_computed_blocks, manager.allocate_slots, manager.coordinator.cache_blocks
+        if impls != {"EvictingImpl"} or self.backend not in HOOKED:
+            self.problem = (f"vLLM picked attention backend {self.backend} here; kvflow's evicted requests run on "
+                            f"{' and '.join(HOOKED)}: put this proposer's model on backend 'sglang' or 'hf'")
+        elif len(groups) != 1:
+            self.problem = "this model has several KV cache groups (hybrid attention): kvflow evicts one group only"
+        elif getattr(config.scheduler_config, "async_scheduling", False):
+            self.problem = ("vLLM schedules asynchronously here (async_scheduling), ahead of kvflow's compactions: "
+                            "set `engine: {async_scheduling: false}` on this model entry")
+        caches = [None] * self.layers
+        for name, layer in attn.items():
+            kv = layer.kv_cache[0] if isinstance(layer.kv_cache, (list, tuple)) else layer.kv_cache
+            caches[_layer_index(name)] = kv
+        group = groups[0]
+        b, s = self.blocks, self.beside
+        layout = Paged.LAYOUTS.get(self.backend, "cpu")
+        maps = None
+        if layout == "cpu" and not self.problem:
+            layer = next(iter(attn.values()))
+            maps = cpu_layout(caches[0].dtype, group.block_size, caches[0].shape[-1] // 2, layer.isa,
+                              layer.impl.kv_cache_dtype)
+        b.paged = Paged(caches, layout, group.block_size, maps)
+        b.manager, b.pool, b.group, b.runner, b.block_size = manager, manager.block_pool, group, runner, group.block_size
+        s.runner, s.num_layers, s.kv_heads = runner, self.layers, self.kv_heads
+        s.block_size, s.null = min(g.block_size for g in groups), manager.block_pool.null_block
+        self._hook_manager(manager, groups)
+        self._hook_runner(runner, core.scheduler)
+        self.installed = True
+
+    def _hook_manager(self, manager, groups) -> None:
+        lookup, allocate, free = manager.get_computed_blocks, manager.allocate_slots, manager.free
+        cache = manager.coordinator.cache_blocks
+        b, s = self.blocks, self.beside
 
         def get_computed_blocks(request):
-            """An evicted request's tokens before its cache's next position are stand-ins (the
-            budgeted cache holds what they left): "computed" on null blocks, never looked up."""
-            live = self.live.get(request.request_id)
-            if live is None:
-                return lookup(request)
-            n = min(live.next, request.num_tokens - 1) // block_size * block_size  # vLLM's hits end on a block
-            return manager.empty_kv_cache_blocks, n, 0
+            """An evicted request's tokens its KV holds count computed; the prefix cache is never read."""
+            rid = request.request_id
+            if rid in b.live:
+                return manager.empty_kv_cache_blocks, b.computed(request), 0
+            if rid in s.live:
+                return manager.empty_kv_cache_blocks, s.computed(request), 0
+            return lookup(request)
 
         def allocate_slots(request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None,
                            num_lookahead_tokens=0, *args, **kwargs):
-            """An evicted request takes no block of vLLM's pool: its block table is vLLM's null
-            block for every position (what vLLM's kernel writes and reads there is scratch; the
-            evicted rows attend over the budgeted cache), so it is never short of blocks and frees
-            none, and nothing of it reaches the prefix cache."""
-            live = self.live.get(request.request_id)
-            if live is None:
-                return allocate(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
-                                num_lookahead_tokens, *args, **kwargs)
-            tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens + num_lookahead_tokens
-            added = []
-            for group in groups:
-                blocks = group.req_to_blocks[request.request_id]
-                more = [null] * max(0, -(-tokens // group.block_size) - len(blocks))
-                blocks.extend(more)
-                added.append(more)
-            return manager.create_kv_cache_blocks(tuple(added))
+            rid = request.request_id
+            if rid in b.live:
+                return b.allocate(request, num_new_tokens, num_lookahead_tokens)
+            if rid in s.live:
+                return s.allocate(manager, groups, request, num_new_tokens, num_new_computed_tokens,
+                                  num_lookahead_tokens)
+            return allocate(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+                            num_lookahead_tokens, *args, **kwargs)
 
-        def cache_blocks(request, *args, **kwargs):  # a null block must never be hashed into the prefix cache
-            if request.request_id not in self.live:
+        def free_blocks(request):
+            if request.request_id in b.live:
+                b.freed(request)
+            return free(request)
+
+        def cache_blocks(request, *args, **kwargs):  # an evicted request's blocks never enter the prefix cache
+            if request.request_id not in b.live and request.request_id not in s.live:
                 return cache(request, *args, **kwargs)
 
         manager.get_computed_blocks = get_computed_blocks
         manager.allocate_slots = allocate_slots
+        manager.free = free_blocks
         manager.coordinator.cache_blocks = cache_blocks
 
+    def _hook_runner(self, runner, scheduler) -> None:
+        prepare, update = runner._prepare_inputs, scheduler.update_from_output
+        b = self.blocks
 
-RUNTIME = Runtime()
+        def _prepare_inputs(scheduler_output, num_scheduled_tokens, *args, **kwargs):
+            out = prepare(scheduler_output, num_scheduled_tokens, *args, **kwargs)
+            if b.live:
+                b.prepared(runner, num_scheduled_tokens)
+            return out
+
+        def update_from_output(scheduler_output, model_output, *args, **kwargs):
+            b.forwarded()  # compactions free blocks before vLLM's scheduler reads the step
+            return update(scheduler_output, model_output, *args, **kwargs)
+
+        runner._prepare_inputs = _prepare_inputs
+        scheduler.update_from_output = update_from_output
+
+
+RUNTIME: Optional[Runtime] = None
+
+
+def cpu_layout(dtype, block_size: int, head_dim: int, isa: str, kv_cache_dtype: str):
+    """Where vLLM's CPU kernel puts slot t's dim d inside a (block, head)'s key and value regions
+    ([block_size, D] int64 maps each): learnt by writing through vLLM's own op into a scratch
+    block, once with each slot's index and once with each dim's (small integers: exact in any
+    float dtype), so kvflow reads and writes whatever tiling this ISA's kernel uses."""
+    from vllm import _custom_ops as ops
+
+    bs, d = block_size, head_dim
+    maps = []
+    seen = []
+    for fill in (torch.arange(1, bs + 1)[:, None].expand(bs, d), torch.arange(1, d + 1)[None, :].expand(bs, d)):
+        kv = torch.zeros(1, 1, bs, 2 * d, dtype=dtype)
+        key_cache, value_cache = kv.view(1, 1, 2 * bs, d).chunk(2, dim=2)
+        x = fill.to(dtype)[:, None, :].contiguous()  # [tokens, kv_heads = 1, D]
+        ops.cpu_attn_reshape_and_cache(x, x.clone(), key_cache, value_cache, torch.arange(bs), isa,
+                                       kv_cache_dtype=kv_cache_dtype)
+        flat = kv.view(2, bs * d)  # the (block, head)'s key region, then its value region
+        seen.append(flat.float().round().long())
+    for half in (0, 1):
+        slot, dim = seen[0][half] - 1, seen[1][half] - 1
+        where = torch.full((bs, d), -1, dtype=torch.int64)
+        ok = (slot >= 0) & (dim >= 0)
+        where[slot[ok], dim[ok]] = torch.arange(bs * d)[ok]
+        if int(ok.sum()) != bs * d or bool((where < 0).any()):
+            raise RuntimeError(f"vLLM's CPU KV layout ({isa}, {dtype}) is not a permutation of slots and dims: "
+                               "kvflow cannot read it")
+        maps.append(where)
+    return tuple(maps)
 
 
 def _layer_index(name: str) -> int:
@@ -279,38 +293,75 @@ def _layer_index(name: str) -> int:
     return int(found[-1]) if found else 0
 
 
-def _backend_classes():
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+def _backend_class(base_path: str):
+    """An attention backend whose impl is vLLM's own (`base_path`'s), then kvflow's part."""
+    module, _, name = base_path.rpartition(".")
+    base = getattr(importlib.import_module(module), name)
+    impl_base = base.get_impl_cls()
 
-    class EvictingImpl(CPUAttentionBackendImpl):
-        """vLLM's CPU attention, then the evicted requests' rows over their budgeted caches."""
+    class EvictingImpl(impl_base):
+        """vLLM's attention, then kvflow's part: the query ring, evictors' own observe(), the
+        rows of requests beside vLLM's blocks."""
 
         def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None, **kwargs):
             out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output=output, **kwargs)
-            if attn_metadata is not None and RUNTIME.live:
-                idx = getattr(layer, "_kvflow_layer_idx", None)
-                if idx is None:
-                    idx = layer._kvflow_layer_idx = _layer_index(layer.layer_name)
-                RUNTIME.attend(self, idx, query, key, value, attn_metadata, out)
+            if attn_metadata is not None and RUNTIME is not None:
+                RUNTIME.attend(self, layer, query, key, value, attn_metadata, out)
             return out
 
-    class EvictingBackend(CPUAttentionBackend):
+    class EvictingBackend(base):
         @staticmethod
         def get_impl_cls():
             return EvictingImpl
 
+    EvictingBackend.__name__ = EvictingBackend.__qualname__ = f"Evicting{name}"
     return EvictingBackend
 
 
 def __getattr__(name: str):
-    if name == "EvictingBackend":  # made on first use: importing this module needs no vLLM
-        cls = globals()["EvictingBackend"] = _backend_classes()
+    """`EvictingCPU_ATTN`, `EvictingFLASH_ATTN`: made on first use (importing this module needs no vLLM)."""
+    if name.startswith("Evicting") and name[len("Evicting"):] in HOOKED:
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+        cls = globals()[name] = _backend_class(AttentionBackendEnum[name[len("Evicting"):]].value)
         return cls
     raise AttributeError(name)
 
 
-def register() -> None:
-    """Replace vLLM's CPU attention backend with `EvictingBackend` (before the engine starts)."""
+def register() -> Runtime:
+    """Replace vLLM's CPU and flash attention backends by kvflow's (before the engine starts)."""
+    global RUNTIME
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    register_backend(AttentionBackendEnum.CPU_ATTN, f"{__name__}.EvictingBackend")
+    RUNTIME = Runtime()
+    for backend in HOOKED:
+        register_backend(AttentionBackendEnum[backend], f"{__name__}.Evicting{backend}")
+    _hook_kv_cache_init()
+    return RUNTIME
+
+
+def _hook_kv_cache_init() -> None:
+    """kvflow's tables are made when vLLM makes its KV cache: after the model loads, before
+    any CUDA graph is captured (a graph holds them as static buffers)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    classes = [GPUModelRunner]
+    try:
+        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+        classes.append(CPUModelRunner)
+    except ImportError:  # a GPU build
+        pass
+    for cls in classes:
+        original = vars(cls).get("initialize_kv_cache")
+        if original is None or getattr(original, "_kvflow", False):
+            continue
+
+        def initialize_kv_cache(self, *args, _original=original, **kwargs):
+            out = _original(self, *args, **kwargs)
+            if RUNTIME is not None:
+                RUNTIME.kv_cache_made(self)
+            return out
+
+        initialize_kv_cache._kvflow = True
+        cls.initialize_kv_cache = initialize_kv_cache

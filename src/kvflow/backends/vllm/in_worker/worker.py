@@ -115,10 +115,9 @@ class _Serve:
     def _admit_evicted(self, rid: str, spec: dict) -> None:
         if self.evicting is None:
             raise RuntimeError("this vLLM worker was started without kvflow's evicted requests")
-        why = self.evicting.refusal()
+        why = self.evicting.refusal(self.evicting.evictor(spec))  # imported and built before vLLM sees the request
         if why:
             raise RuntimeError(why)
-        self.evicting.evictor(spec)  # imported and built before vLLM sees the request
 
     def handle(self, msg) -> bool:
         kind = msg[0]
@@ -164,18 +163,18 @@ class _Serve:
         return True
 
     def _end(self, rid: str, finish: str, cached: int) -> None:
-        live = self.evicting.end(self.internal.pop(rid)) if rid in self.internal else None
-        if live is not None and live.error:
+        ended = self.evicting.end(self.internal.pop(rid)) if rid in self.internal else None
+        if ended is not None and ended[0]:
             self.kinds.pop(rid)
-            _send(self.out, "error", rid, live.error)
+            _send(self.out, "error", rid, ended[0])
             return
         kind = self.kinds.pop(rid)
         self.top_k.pop(rid, None)
         n_prompt, _ = self.prompt.pop(rid)
         meta = {"prompt_tokens": n_prompt, "cached_tokens": cached, "completion_tokens": self.made.pop(rid),
                 "kv_blocks_peak": self.peak_blocks}
-        if live is not None:  # its "cached" tokens are stand-ins skipped on null blocks, not prefix-cache hits
-            meta.update(evicted_recomputes=live.recomputes, cached_tokens=0, standins_skipped=cached)
+        if ended is not None:  # its "cached" tokens are those its own KV held (a snapshot's), not prefix-cache hits
+            meta.update(ended[1], cached_tokens=0, standins_skipped=cached)
         if kind == "generate":
             _send(self.out, "end", rid, _finish(finish), meta)
 
@@ -211,8 +210,7 @@ class _Serve:
                 self.kinds.pop(rid, None)
                 _send(self.out, "error", rid, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}")
         for rid, internal in list(self.internal.items()):  # an evicted request vLLM ran in a way kvflow cannot follow
-            live = self.evicting.live.get(internal)
-            if live is not None and live.error and rid in self.kinds:
+            if self.evicting.error(internal) and rid in self.kinds:
                 self.engine.abort_request([rid])
                 self._end(rid, "abort", 0)
 
@@ -311,8 +309,7 @@ def main() -> int:
             sys.path.extend(p for p in hello["paths"] if p not in sys.path)
             from kvflow.backends.vllm.in_worker import evict
 
-            evict.register()
-            evicting = evict.RUNTIME
+            evicting = evict.register()
         engine = LLMEngine.from_engine_args(EngineArgs(**kwargs))
         if evicting is not None:
             evicting.install(engine)

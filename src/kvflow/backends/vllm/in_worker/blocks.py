@@ -1,0 +1,477 @@
+"""Evicted requests in vLLM's own KV blocks, attended by vLLM's own kernel (uniform budgets).
+
+Runs in the vLLM worker process (`evict.py` routes a request here when its evictor keeps the
+same count of tokens in every (layer, KV head): R-KV, SnapKV, StreamingLLM, H2O, random...).
+
+Layout. vLLM's per-layer cache holds, per block and KV head, one key and value per slot. Slot i
+of (layer l, head h) of an evicted request holds that head's i-th kept token in time order (keys
+are stored after RoPE, so a slot's index need not match a position), exactly the layout of the
+`hf` cache ([rows, kv_heads, N, D] per layer) and of kvflow's SGLang compaction. An evicted
+request holds `phys` slots (the same count in every layer and head) while its logical length
+(`next`, the RoPE position of its next token) keeps growing.
+
+Seams (no vLLM file is changed; `evict.install` wires them):
+- the KV cache manager (scheduler side): an evicted request takes blocks from vLLM's pool for
+  its physical slots only (`allocate`: at most the blocks `budget + buffer` need), never looks
+  up or fills the prefix cache, and counts as computed every token its KV already holds
+  (`computed`); its blocks go back to the pool when it compacts (the tail past `budget`), ends
+  (unless saved as a snapshot) or is preempted (its KV then waits outside the pool, `swap`);
+- the model runner (`_prepare_inputs`, host side, before the forward): the attention metadata of
+  an evicted request carry its physical length (`seq_lens`, the slot mapping over its block
+  table), its positions stay logical (RoPE). The metadata stay vLLM's persistent tensors,
+  rewritten in place: what a CUDA graph replays;
+- the attention backend (`forward`, per layer): vLLM's kernel attends the evicted rows as any
+  other; kvflow only writes the step's post-RoPE queries into a ring (fixed-shape `index_put`
+  over the batch, with the token-to-row map the host wrote: capturable) and, for evictors that
+  observe attention (H2O), runs the evictor's own `observe()` per row (eager: refused under
+  graphs);
+- after the forward (`forwarded`, before vLLM's scheduler reads the step's output): a request
+  that reached `budget + buffer` is compacted in place by the very `Evictor.select` the `hf`
+  cache calls (same inputs: keys and values per head, the query window, the statistic, the same
+  seeded generator), and its tail blocks are freed at once, so the next schedule can admit a
+  waiting request into them.
+
+Snapshots (`save_as`) keep a request's blocks (a reference on each) with its counters, query
+ring and statistic; a request `from` a snapshot gets blocks of its own and a copy of the
+snapshot's (a fork copies blocks, not tensors of the model's shapes outside the pool).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+
+@dataclass
+class Resident:
+    """An evicted request whose KV lives in vLLM's blocks."""
+
+    evictor: Any
+    rng_key: int
+    n_protected: int
+    save_as: Optional[str]
+    row: int  # its row of the query ring (0 when no ring)
+    next: int  # logical position of the next token it takes (its KV holds what the ones before left)
+    phys: int = 0  # slots it holds per (layer, KV head)
+    written: int = 0  # queries it wrote into the ring
+    compactions: int = 0
+    stats: Optional[list] = None  # evictors that observe attention: per layer [kv_heads, trigger + 1] float32
+    restore: Optional[tuple] = None  # ("blocks", [ids]) or ("data", [per-layer tensors]): its first blocks' content
+    allocated: bool = False  # vLLM gave it blocks (its KV is in them)
+    error: Optional[str] = None
+    preemptions: int = 0
+    blocks_peak: int = 0  # most blocks of vLLM's pool it held
+
+
+@dataclass
+class Snapshot:
+    """An ended request's state: its KV in blocks it still references (or in `data` after a preemption)."""
+
+    blocks: list  # vLLM KVCacheBlock objects, one reference each held by the snapshot
+    data: Optional[list]  # per layer, the blocks' content (a snapshot taken while its request was swapped out)
+    phys: int
+    next: int
+    written: int
+    compactions: int
+    ring: Optional[list]  # per layer [W, q_heads, D]: the request's query ring row
+    stats: Optional[list]
+
+
+class Paged:
+    """vLLM's per-layer KV tensors ([blocks, kv_heads, block_size, 2 * D] each, vLLM's logical
+    layout) seen per slot: read and write keys and values at (block, offset), copy whole blocks.
+    Where a slot's key and value are inside a (block, head) depends on the attention backend:
+    - "split" (FLASH_ATTN): each slot's content is its key, then its value;
+    - "cpu" (CPU_ATTN): the block's keys, then its values, each laid out as vLLM's CPU kernel
+      for this machine's ISA lays them out (AMX and AVX-512 tile them): `maps` give, for (slot
+      offset, dim), the element's place in the (block, head)'s key (value) region, as learnt
+      from vLLM's own write op (`evict.cpu_layout`).
+    """
+
+    LAYOUTS = {"CPU_ATTN": "cpu", "FLASH_ATTN": "split"}
+
+    def __init__(self, caches: list, layout: str, block_size: int, maps=None) -> None:
+        self.caches, self.layout, self.block_size = caches, layout, block_size
+        self.kmap, self.vmap = maps if maps is not None else (None, None)  # [block_size, D] int64 each
+
+    def _regions(self, layer: int):
+        """(keys, values) of a layer: [blocks, kv_heads, block_size * D] (cpu) or [blocks, kv_heads, block_size, D] views."""
+        kv = self.caches[layer]
+        nb, h, bs, d2 = kv.shape
+        if self.layout == "cpu":
+            view = kv.view(nb, h, 2 * bs * (d2 // 2))
+            return view[:, :, : bs * (d2 // 2)], view[:, :, bs * (d2 // 2):]
+        return kv[..., : d2 // 2], kv[..., d2 // 2:]
+
+    def read(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor):
+        """keys, values of these slots: [kv_heads, n, D] each."""
+        k, v = self._regions(layer)
+        if self.layout == "cpu":
+            b = blocks[:, None]
+            return (k[b, :, self.kmap[offsets]].permute(2, 0, 1), v[b, :, self.vmap[offsets]].permute(2, 0, 1))
+        return k[blocks, :, offsets].transpose(0, 1), v[blocks, :, offsets].transpose(0, 1)
+
+    def write(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
+        """keys, values [kv_heads, n, D] into these slots."""
+        k, v = self._regions(layer)
+        if self.layout == "cpu":
+            b = blocks[:, None]
+            k[b, :, self.kmap[offsets]] = keys.permute(1, 2, 0).to(k.dtype)  # [n, D, kv_heads]
+            v[b, :, self.vmap[offsets]] = values.permute(1, 2, 0).to(v.dtype)
+            return
+        k[blocks, :, offsets] = keys.transpose(0, 1).to(k.dtype)
+        v[blocks, :, offsets] = values.transpose(0, 1).to(v.dtype)
+
+    def read_blocks(self, ids: list[int]) -> list:
+        index = torch.tensor(ids, dtype=torch.int64, device=self.caches[0].device)
+        return [kv.index_select(0, index) for kv in self.caches]
+
+    def write_blocks(self, ids: list[int], data: list) -> None:
+        index = torch.tensor(ids, dtype=torch.int64, device=self.caches[0].device)
+        for kv, part in zip(self.caches, data):
+            kv.index_copy_(0, index, part[: len(ids)])
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        s = torch.tensor(src, dtype=torch.int64, device=self.caches[0].device)
+        d = torch.tensor(dst, dtype=torch.int64, device=self.caches[0].device)
+        for kv in self.caches:
+            kv.index_copy_(0, d, kv.index_select(0, s))
+
+
+class InBlocks:
+    """Every evicted request of one vLLM worker whose KV is in vLLM's blocks (see the module docstring)."""
+
+    def __init__(self, window: int, rows: int) -> None:
+        self.window, self.rows = window, rows  # W: the ring's length (the longest query window served); E rows
+        self.live: dict[str, Resident] = {}  # vLLM's internal request id -> state, while vLLM has the request
+        self.ended: dict[str, Resident] = {}  # requests vLLM freed, until the worker reads them (`end`)
+        self.snapshots: dict[str, Snapshot] = {}
+        self.free_rows = list(range(rows, 0, -1))
+        self.paged: Optional[Paged] = None
+        self.manager = self.pool = self.group = self.runner = None
+        self.block_size = 0
+        self.ring: list = []  # per layer [E + 1, W, q_heads, D] (row 0: the sink), made at the first forward
+        self.tok_row = self.tok_pos = None  # [max tokens] int64: each token's ring row and position (0: not written)
+        self.plan: list[tuple[str, Resident, int, int, int]] = []  # this forward: (rid, state, first token, end, phys before)
+        self.last_tokens = 0
+        self.compactions = 0
+        self.proxy = None  # `replay.ReplayProxy`: the capturable part run as a replayed graph would
+
+    # ------------------------------------------------------------------ admission and snapshots
+
+    @torch.inference_mode()
+    def take_row(self) -> int:
+        if not self.window:
+            return 0
+        if not self.free_rows:
+            raise RuntimeError(f"more than {self.rows} evicted requests at once in this vLLM worker "
+                               "(KVFLOW_VLLM_EVICTED_ROWS)")
+        row = self.free_rows.pop()
+        for ring in self.ring:
+            ring[row].zero_()
+        return row
+
+    @torch.inference_mode()
+    def admit(self, rid: str, spec: dict, evictor, kv_heads: int, layers: int) -> None:
+        if evictor.query_window > self.window:
+            raise RuntimeError(f"the evictor's query window {evictor.query_window} is past this engine's "
+                               f"{self.window} (KVFLOW_VLLM_QUERY_WINDOW)")
+        for snap in spec.get("drop") or ():
+            self.drop(snap)
+        base = None
+        if spec.get("from"):
+            base = self.snapshots.get(spec["from"])
+            if base is None:
+                raise RuntimeError(f"snapshot {spec['from']!r} does not exist (dropped, or never made)")
+            if base.next != int(spec["first"]):
+                raise RuntimeError(f"snapshot holds {base.next} tokens, the request starts its evicted part "
+                                   f"at {spec['first']}")
+        elif int(spec["first"]) != 0:
+            raise RuntimeError("an evicted request without a snapshot starts at its first token")
+        r = Resident(evictor, int(spec["rng_key"]), int(spec["n_protected"]), spec.get("save_as"), self.take_row(),
+                     int(spec["first"]))
+        capacity = evictor.trigger + 1 if evictor.bounded else 0
+        if evictor.observes_attention:
+            if not evictor.bounded:
+                raise RuntimeError("an unbounded evictor that observes attention cannot live in vLLM's blocks")
+            r.stats = [torch.zeros(kv_heads, capacity) for _ in range(layers)]
+        if base is not None:
+            r.phys, r.written, r.compactions = base.phys, base.written, base.compactions
+            r.restore = ("blocks", [b.block_id for b in base.blocks]) if base.data is None else ("data", base.data)
+            if base.ring is not None and r.row:
+                for ring, part in zip(self.ring, base.ring):
+                    ring[r.row].copy_(part)
+            if base.stats is not None and r.stats is not None:
+                r.stats = [s.clone() for s in base.stats]
+        self.live[rid] = r
+
+    def drop(self, snap: str) -> None:
+        s = self.snapshots.pop(snap, None)
+        if s is not None and s.blocks:
+            self.pool.free_blocks(s.blocks)
+
+    def end(self, rid: str) -> Optional[Resident]:
+        r = self.ended.pop(rid, None)
+        if r is None and rid in self.live:  # vLLM never had it (refused before scheduling)
+            r = self.live.pop(rid)
+            self._release_row(r)
+        return r
+
+    @torch.inference_mode()
+    def kept(self, snap: str) -> dict:
+        """A snapshot's resident keys and values per (layer, KV head), in time order (plain lists)."""
+        s = self.snapshots[snap]
+        keys, values = [], []
+        blocks, offsets = self._slots([b.block_id for b in s.blocks], s.phys)
+        if s.data is not None:
+            raise RuntimeError(f"snapshot {snap!r} was taken while vLLM had its request preempted")
+        for layer in range(len(self.paged.caches)):
+            k, v = self.paged.read(layer, blocks, offsets)
+            keys.append(k.float().tolist())
+            values.append(v.float().tolist())
+        return {"keys": keys, "values": values, "compactions": s.compactions}
+
+    def _release_row(self, r: Resident) -> None:
+        if r.row:
+            self.free_rows.append(r.row)
+            r.row = 0
+
+    # ------------------------------------------------------------------ the KV cache manager (scheduler side)
+
+    def computed(self, request) -> int:
+        """Tokens of the request vLLM need not compute: those its KV (blocks, snapshot or swap) holds."""
+        r = self.live[request.request_id]
+        if r.next > request.num_tokens - 1:
+            r.error = f"vLLM asked an evicted request for tokens it holds already ({r.next} of {request.num_tokens})"
+        return min(r.next, request.num_tokens - 1)
+
+    @torch.inference_mode()
+    def allocate(self, request, num_new_tokens: int, num_lookahead_tokens: int):
+        """Blocks for the request's physical slots after this step (None: the pool is short,
+        vLLM then preempts or waits, as for any request)."""
+        rid = request.request_id
+        r = self.live[rid]
+        ev = r.evictor
+        if ev.bounded and r.phys + num_new_tokens > ev.trigger and r.error is None:
+            r.error = (f"vLLM ran {num_new_tokens} tokens of an evicted request in one step, past budget + buffer "
+                       f"({r.phys} held, compaction at {ev.trigger})")
+        need = math.ceil((r.phys + num_new_tokens + num_lookahead_tokens) / self.block_size)
+        held = self.group.req_to_blocks[rid]
+        more = need - len(held)
+        if more > self.pool.get_num_free_blocks():
+            return None
+        new = self.pool.get_new_blocks(more) if more > 0 else []
+        held.extend(new)
+        r.blocks_peak = max(r.blocks_peak, len(held))
+        if not r.allocated:
+            r.allocated = True
+            if r.restore is not None:  # its KV from the snapshot or the swap: into its own first blocks
+                kind, content = r.restore
+                ids = [b.block_id for b in held[: math.ceil(r.phys / self.block_size)]]
+                if kind == "blocks":
+                    self.paged.copy_blocks(content[: len(ids)], ids)
+                else:
+                    self.paged.write_blocks(ids, content)
+                r.restore = None
+        return self.manager.create_kv_cache_blocks((new,))
+
+    @torch.inference_mode()
+    def freed(self, request) -> None:
+        """vLLM frees the request's blocks: it ended (keep a snapshot), or vLLM preempts it (its
+        KV waits outside the pool until vLLM runs it again)."""
+        rid = request.request_id
+        r = self.live.get(rid)
+        if r is None:
+            return
+        held = self.group.req_to_blocks.get(rid, [])
+        used = held[: math.ceil(r.phys / self.block_size)] if r.allocated else []
+        if not request.is_finished():
+            if r.allocated:
+                r.restore = ("data", self.paged.read_blocks([b.block_id for b in used]))
+                r.allocated = False
+            r.preemptions += 1
+            return
+        self.live.pop(rid)
+        if r.save_as and r.error is None:
+            if r.allocated:
+                blocks, data = list(used), None
+            elif r.restore is not None and r.restore[0] == "blocks":  # never ran: the snapshot it came from
+                ids = set(r.restore[1])
+                blocks, data = [b for b in self._snapshot_blocks() if b.block_id in ids], None
+            else:
+                blocks, data = [], (r.restore[1] if r.restore else None)
+            for b in blocks:
+                b.ref_cnt += 1  # the snapshot's reference: vLLM's free leaves these blocks taken
+            ring = [ring[r.row].clone() for ring in self.ring] if r.row else None
+            self.snapshots[r.save_as] = Snapshot(blocks, data, r.phys, r.next, r.written, r.compactions, ring,
+                                                 [s.clone() for s in r.stats] if r.stats else None)
+        self._release_row(r)
+        self.ended[rid] = r
+
+    def _snapshot_blocks(self):
+        for s in self.snapshots.values():
+            yield from s.blocks
+
+    # ------------------------------------------------------------------ forwards (runner side)
+
+    @torch.inference_mode()
+    def prepared(self, runner, num_scheduled) -> None:
+        """After vLLM's `_prepare_inputs`: evicted rows get their physical lengths and slots."""
+        self.plan = []
+        batch = runner.input_batch
+        n = batch.num_reqs
+        qsl = runner.query_start_loc.cpu[: n + 1].tolist()
+        if self.window and (self.tok_row is None or qsl[-1] > self.tok_row.shape[0]):
+            raise RuntimeError(f"a step of {qsl[-1]} tokens, past the query ring's token map "
+                               f"({0 if self.tok_row is None else self.tok_row.shape[0]}: KVFLOW_VLLM_STEP_TOKENS)")
+        if self.last_tokens:
+            self.tok_row[: self.last_tokens].zero_()
+            self.last_tokens = 0
+        shift = [0] * n
+        rows, poss, at = [], [], []
+        for i, rid in enumerate(batch.req_ids[:n]):
+            r = self.live.get(rid)
+            if r is None:
+                continue
+            a, b = qsl[i], qsl[i + 1]
+            start = int(batch.num_computed_tokens_cpu[i])
+            if start != r.next and r.error is None:
+                r.error = (f"vLLM ran tokens {start}.. of an evicted request whose KV ends at token {r.next}: "
+                           "kvflow cannot follow")
+            shift[i] = start - r.phys
+            if r.row and self.window:
+                first = max(a, b - self.window)  # only the last W queries of the step reach the ring
+                j = torch.arange(first - a, b - a)
+                at.append(torch.arange(first, b))
+                rows.append(torch.full_like(j, r.row))
+                poss.append((r.written + j) % self.window)
+            self.plan.append((rid, r, a, b, r.phys))
+        if not self.plan:
+            return
+        if at:
+            index = torch.cat(at).to(self.tok_row.device)
+            self.tok_row[index] = torch.cat(rows).to(self.tok_row.device)
+            self.tok_pos[index] = torch.cat(poss).to(self.tok_pos.device)
+            self.last_tokens = qsl[-1]
+        total = qsl[-1]
+        dev = runner.seq_lens.device
+        s = torch.tensor(shift, dtype=runner.seq_lens.dtype)
+        runner.seq_lens[:n] -= s.to(dev)
+        runner.optimistic_seq_lens_cpu[:n] -= s.to(runner.optimistic_seq_lens_cpu.dtype)
+        per_token = s.to(dev).to(torch.int64)[runner.req_indices.gpu[:total].long()]
+        physical = runner.positions[:total] - per_token.to(runner.positions.dtype)
+        batch.block_table.compute_slot_mapping(n, runner.query_start_loc.gpu[: n + 1], physical)
+
+    def ensure_ring(self, layers: int, q_heads: int, head_dim: int, dtype, device) -> None:
+        """The ring and the token map exist (made at vLLM's first forward: its profiling run,
+        before any graph is captured; a graph holds them as static buffers)."""
+        if self.window and not self.ring:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("kvflow's query ring must exist before vLLM captures a CUDA graph")
+            size = int(os.environ.get("KVFLOW_VLLM_STEP_TOKENS", "65536") or 65536)
+            self.tok_row = torch.zeros(size, dtype=torch.int64, device=device)
+            self.tok_pos = torch.zeros(size, dtype=torch.int64, device=device)
+            self.ring = [torch.zeros(self.rows + 1, self.window, q_heads, head_dim, dtype=dtype, device=device)
+                         for _ in range(layers)]
+
+    def write_ring(self, lid: int, query: torch.Tensor) -> None:
+        """The step's post-RoPE queries into the ring: the same ops whatever the batch (capturable)."""
+        t = query.shape[0]
+        ring = self.ring[lid]
+        ring.index_put_((self.tok_row[:t], self.tok_pos[:t]), query.reshape(t, *ring.shape[2:]).to(ring.dtype))
+
+    def attended(self, impl, lid: int, query: torch.Tensor, layers: int) -> None:
+        """kvflow's part of one layer's attention (after vLLM's kernel wrote and attended the step's KV)."""
+        if self.window and self.ring:
+            if self.proxy is not None:
+                self.proxy.run(lid, lambda q: self.write_ring(lid, q), query)
+            else:
+                self.write_ring(lid, query)
+        for rid, r, a, b, p0 in self.plan:  # evictors that observe attention: their own observe(), per row (eager)
+            if r.stats is None or r.error:
+                continue
+            n = b - a
+            span = p0 + n
+            blocks, offsets = self._slots(self._ids(rid), span)
+            keys, _ = self.paged.read(lid, blocks, offsets)
+            q = query[a:b].reshape(n, impl.num_heads, impl.head_size).transpose(0, 1)[None]  # [1, Hq, n, D]
+            mask = torch.arange(span)[None, None, :] <= (p0 + torch.arange(n))[None, :, None]  # [1, n, span]
+            r.evictor.observe(r.stats[lid][None, :, :span], q, keys[None], mask.to(q.device), layer_idx=lid,
+                              scaling=impl.scale)
+
+    @torch.inference_mode()
+    def forwarded(self) -> None:
+        """After the forward, before vLLM's scheduler reads its output: counters, compactions."""
+        plan, self.plan = self.plan, []
+        for rid, r, a, b, p0 in plan:
+            n = b - a
+            r.phys, r.next, r.written = p0 + n, r.next + n, r.written + n
+            ev = r.evictor
+            if ev.bounded and r.phys >= ev.trigger and r.error is None:
+                self.compact(rid, r)
+
+    # ------------------------------------------------------------------ compaction (eager, between forwards)
+
+    def _ids(self, rid: str) -> list[int]:
+        return [b.block_id for b in self.group.req_to_blocks[rid]]
+
+    def _slots(self, ids: list[int], n: int):
+        j = torch.arange(n)
+        dev = self.paged.caches[0].device
+        return torch.tensor(ids, dtype=torch.int64)[j // self.block_size].to(dev), (j % self.block_size).to(dev)
+
+    def window_of(self, r: Resident, lid: int) -> Optional[torch.Tensor]:
+        """The request's last W queries of a layer, oldest first, zeros before the first: [1, q_heads, W, D]."""
+        w = r.evictor.query_window
+        if not w:
+            return None
+        pos = (r.written - w + torch.arange(w)) % self.window
+        return self.ring[lid][r.row, pos.to(self.ring[lid].device)].transpose(0, 1)[None]
+
+    def compact(self, rid: str, r: Resident) -> None:
+        """Evict the request down to `budget` slots per (layer, KV head), as the `hf` cache does,
+        and give its tail blocks back to vLLM's pool."""
+        ev, n = r.evictor, r.phys
+        budget = ev.params.budget
+        blocks, offsets = self._slots(self._ids(rid), n)
+        gen = torch.Generator().manual_seed((r.rng_key * 1_000_003 + r.compactions) % 2**63)
+        lengths, protected = torch.tensor([n]), torch.tensor([r.n_protected])
+        for lid in range(len(self.paged.caches)):
+            keys, values = self.paged.read(lid, blocks, offsets)  # [kv_heads, n, D]
+            stats = r.stats[lid][None, :, :n] if r.stats is not None else None
+            keep = ev.select(keys[None], values[None], self.window_of(r, lid), layer_idx=lid, lengths=lengths,
+                             n_protected=protected, generators=[gen], stats=stats)[0]  # [kv_heads, budget]
+            idx = keep.to(keys.device)[..., None]
+            self.paged.write(lid, blocks[:budget], offsets[:budget], keys.gather(1, idx.expand(-1, -1, keys.shape[-1])),
+                             values.gather(1, idx.expand(-1, -1, values.shape[-1])))
+            if stats is not None:
+                new = torch.zeros_like(r.stats[lid])
+                new[:, :budget] = stats[0].gather(1, keep)
+                r.stats[lid] = new
+        r.phys = budget
+        r.compactions += 1
+        self.compactions += 1
+        self.shrink(rid, math.ceil(budget / self.block_size))
+
+    def shrink(self, rid: str, keep: int) -> None:
+        """Free the request's blocks past its first `keep`, in vLLM's pool and in the runner's block table."""
+        held = self.group.req_to_blocks[rid]
+        tail = held[keep:]
+        if not tail:
+            return
+        del held[keep:]
+        self.pool.free_blocks(reversed(tail))
+        batch = self.runner.input_batch
+        index = batch.req_id_to_index.get(rid)
+        if index is not None:
+            for table in batch.block_table.block_tables:
+                table.block_table.np[index, keep: table.num_blocks_per_row[index]] = 0
+                table.num_blocks_per_row[index] = keep
+        state = self.runner.requests.get(rid)
+        if state is not None:
+            for ids in state.block_ids:
+                del ids[keep:]
