@@ -35,7 +35,7 @@ BACKEND_ROOMS = {"base": {"base"}, "served": {"base", "served"}, "hf": {"base", 
                  "sglang": {"base", "served", "sglang"}, "vllm": {"base", "served", "vllm"}}
 #: the exceptions, each with its reason: vLLM's in-worker evicted requests keep their KV in
 #: hf's BudgetedCache until they evict inside vLLM's own blocks (the vLLM eviction issue)
-ALLOWED_ACROSS = {("kvflow.backends.vllm.in_worker.evict", "kvflow.backends.hf")}
+ALLOWED_ACROSS = {("kvflow.backends.vllm.in_worker.beside", "kvflow.backends.hf")}
 SOURCES = {"kvflow": REPO / "src" / "kvflow", "kvflow_builtin": REPO / "plugins" / "kvflow_builtin"}
 
 

@@ -153,10 +153,11 @@ def _same(got, want):
         assert max(abs(a - b) for a, b in zip(lps_a, lps_b)) < 1e-4
 
 
-def test_evicted_candidates_hold_no_vllm_block_where_full_context_ones_fill_the_pool(hf_engine):
-    """4 candidates of 2 blocks each in a KV cache of 4 usable blocks: evicted ones (their KV in
-    their budgeted caches, their block tables on vLLM's null block) take none of vLLM's blocks and
-    run together, unpreempted; full-context ones fill the pool. Both decode as on `hf`."""
+def test_evicted_candidates_hold_the_blocks_their_budget_needs_where_full_context_ones_fill_the_pool(hf_engine):
+    """4 candidates of 231 tokens in a KV cache of 4 usable blocks: evicted ones (R-KV 16 + 8)
+    hold one block each (their KV compacted in place 27 times), the prompt's snapshot leaves the
+    pool for the fourth (a snapshot holds blocks only while nobody waits for them), and all four
+    run together, unpreempted, as on `hf`; full-context ones (2 blocks each) fill the pool."""
     spec = SamplingSpec(4, 0.0, 1.0, BLOCK + 64, NEVER)
     engine = _tight_engine(hf_engine)
     try:
@@ -164,7 +165,9 @@ def test_evicted_candidates_hold_no_vllm_block_where_full_context_ones_fill_the_
                                                   "base", spec, 0, 400)])
         got = _decode(engine, [ProposeRequest(engine.start([StartRequest(chat_prompt(engine), _rkv(), 9)])[0],
                                               "base", spec, 0, 400)])
-        assert engine.stats()["kv_blocks_peak"] == 0 and engine.stats()["evicted_recomputes"] == 0
+        stats = engine.stats()
+        assert stats["evicted_blocks_peak"] == 1 and stats["evicted_preemptions"] == 0
+        assert stats["evicted_compactions"] >= 4 * (BLOCK + 64) // 8 - 4 and stats["snapshot_spills"] == 1
         _same(got[0], want[0])
         (full,) = engine.start([StartRequest(chat_prompt(engine), full_cache(), 0)])
         _decode(engine, [ProposeRequest(full, "base", spec, 0, 400)])
@@ -175,19 +178,21 @@ def test_evicted_candidates_hold_no_vllm_block_where_full_context_ones_fill_the_
 
 def test_an_evicted_request_vllm_preempts_for_a_full_context_one_decodes_as_on_hf(hf_engine):
     """Full-context candidates short of blocks make vLLM preempt the running requests after them,
-    evicted ones included (which free nothing); vLLM runs a preempted evicted request again from
-    its first token later: the tokens its budgeted cache holds are stand-ins then (on null blocks,
-    not recomputed), and every candidate decodes as on `hf`."""
-    spec = SamplingSpec(4, 0.0, 1.0, BLOCK + 64, NEVER)
+    evicted ones included: a preempted evicted request's KV (its block, compacted) waits outside the
+    pool and comes back into fresh blocks when vLLM runs it again (not recomputed: its evicted
+    tokens are gone), and every candidate decodes as on `hf`."""
     engine = _tight_engine(hf_engine)
     try:
         runs = {}
         for e in (hf_engine, engine):
+            # the full-context candidate's second block (at its token 128) is one the evicted ones hold
             (full,) = e.start([StartRequest(chat_prompt(e), full_cache(), 0)])
             (evicted,) = e.start([StartRequest(chat_prompt(e), _rkv(), 9)])
-            runs[e.backend] = _decode_behind(e, ProposeRequest(full, "base", spec, 0, 400),
-                                             ProposeRequest(evicted, "base", spec, 0, 400))
-        assert engine.stats()["evicted_recomputes"] > 0, "vLLM preempted no evicted candidate: the test tested nothing"
+            runs[e.backend] = _decode_behind(e, ProposeRequest(full, "base", SamplingSpec(1, 0.0, 1.0, BLOCK + 64, NEVER),
+                                                               0, 400),
+                                             ProposeRequest(evicted, "base", SamplingSpec(3, 0.0, 1.0, BLOCK + 64, NEVER),
+                                                            0, 400))
+        assert engine.stats()["evicted_preemptions"] > 0, "vLLM preempted no evicted candidate: the test tested nothing"
     finally:
         engine.worker.close()
     for got, want in zip(runs["vllm"], runs["hf"]):

@@ -22,9 +22,16 @@ def test_an_evicted_proposer_on_vllm_validates_on_a_cpu(tmp_path, cli):
 
 
 def test_an_evicted_proposer_on_vllm_is_refused_where_it_cannot_run(tmp_path, cli):
+    """Uniform budgets run in vLLM's blocks on any device, graphs on (R-KV on CUDA validates);
+    budgets that vary by layer run beside them on a CPU, eagerly; an evictor's own observe()
+    runs eagerly; quantized KV is hf's. Each refusal names the field."""
     rkv = {"kind": "rkv", "budget": 16, "buffer": 8, "window": 4}
-    cases = [({"device": "cuda"}, rkv, "models.base.device", "on a CPU only"),
-             ({"engine": {"enforce_eager": False}}, rkv, "models.base.engine.enforce_eager", "run eagerly"),
+    pyramid = {"kind": "pyramidkv", "budget": 16, "buffer": 8, "window": 4}
+    h2o = {"kind": "h2o", "budget": 16, "buffer": 8}
+    cases = [({"device": "cuda"}, pyramid, "models.base.device", "on a CPU only"),
+             ({"engine": {"enforce_eager": False}}, pyramid, "models.base.engine.enforce_eager", "enforce_eager: false"),
+             ({"device": "cuda"}, h2o, "models.base.engine.enforce_eager",
+              "observes attention"),
              ({}, {"kind": "breadthkv", "budget": 64, "buffer": 32, "window": 4}, "proposers.base.evictor.quantize",
               "quantized KV")]
     for i, (entry, evictor, where, words) in enumerate(cases):
@@ -34,6 +41,12 @@ def test_an_evicted_proposer_on_vllm_is_refused_where_it_cannot_run(tmp_path, cl
         assert result.exit_code == 2, (where, result.output)
         assert where in result.output and words in result.output, result.output
         assert "Traceback" not in result.output
+    for i, (entry, evictor) in enumerate([({"device": "cuda", "engine": {"enforce_eager": False}}, rkv),
+                                          ({"device": "cuda", "engine": {"enforce_eager": True}}, h2o), ({}, pyramid)]):
+        path = tiny_pipeline(tmp_path / f"ok{i}", problems=1, evictor=evictor,
+                             extra={"models": {"base": {"backend": "vllm", **entry}}})
+        result = cli("validate", path)
+        assert result.exit_code == 0, (entry, evictor, result.output)
 
 
 def test_prm_and_judge_on_vllm_validate_and_a_prm_engine_pools(tmp_path, cli):
@@ -114,14 +127,29 @@ def test_explain_says_how_vllm_serves_the_model(tmp_path, cli):
 
 def test_the_worker_says_why_an_engine_cannot_run_evicted_requests():
     """What the vLLM worker answers an evicted request on an engine kvflow's hooks do not cover
-    (`evict.Runtime.refusal`): another attention backend than CPU_ATTN (a GPU), or graphs."""
+    (`evict.Runtime.refusal`), from what vLLM resolved: hooks not installed, a varying budget
+    where it cannot run beside vLLM's blocks (graphs, another device), a query window past the
+    ring's, an observing evictor under replayed graphs."""
     from kvflow.backends.vllm.in_worker.evict import Runtime
+    from kvflow.registry import get_registry
 
+    def evictor(kind, **params):
+        cls = get_registry().get("evictors", kind)
+        return cls(cls.Params(**params))
+
+    rkv = evictor("rkv", budget=16, buffer=8, window=4)
+    pyramid = evictor("pyramidkv", budget=16, buffer=8, window=4)
+    h2o = evictor("h2o", budget=16, buffer=8)
     runtime = Runtime()
-    assert "hooks were not installed" in runtime.refusal()
-    runtime.runner = object()
-    assert "other than CPU_ATTN" in runtime.refusal()
-    runtime.hooked = True
-    assert "enforce_eager" in runtime.refusal()
-    runtime.eager = True
-    assert runtime.refusal() is None
+    runtime.layers = 4
+    assert "hooks were not installed" in runtime.refusal(rkv)
+    runtime.installed, runtime.backend = True, "CPU_ATTN"
+    assert runtime.refusal(rkv) is None and runtime.refusal(pyramid) is None and runtime.refusal(h2o) is None
+    assert "window 64 is past" in runtime.refusal(evictor("rkv", budget=128, buffer=8, window=64))
+    runtime.graphs = True
+    assert "observe()" in runtime.refusal(h2o) and runtime.refusal(rkv) is None
+    assert "eager" in runtime.refusal(pyramid)
+    runtime.graphs, runtime.backend, runtime.device = False, "FLASH_ATTN", "cuda"
+    assert runtime.refusal(rkv) is None and "CPU" in runtime.refusal(pyramid)
+    runtime.problem = "several KV cache groups"
+    assert runtime.refusal(rkv) == "several KV cache groups"

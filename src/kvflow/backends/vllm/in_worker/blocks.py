@@ -127,13 +127,18 @@ class Paged:
         v[blocks, :, offsets] = values.transpose(0, 1).to(v.dtype)
 
     def read_blocks(self, ids: list[int]) -> list:
+        """These blocks' content per layer, in host memory (outside the pool: what a swap holds)."""
         index = torch.tensor(ids, dtype=torch.int64, device=self.caches[0].device)
-        return [kv.index_select(0, index) for kv in self.caches]
+        return [kv.index_select(0, index).cpu() for kv in self.caches]
 
     def write_blocks(self, ids: list[int], data: list) -> None:
         index = torch.tensor(ids, dtype=torch.int64, device=self.caches[0].device)
         for kv, part in zip(self.caches, data):
-            kv.index_copy_(0, index, part[: len(ids)])
+            kv.index_copy_(0, index, part[: len(ids)].to(kv.device))
+
+    def over(self, data: list) -> "Paged":
+        """The same layout over swapped-out blocks (`read_blocks`' result): block i is data's i-th."""
+        return Paged(data, self.layout, self.block_size, (self.kmap, self.vmap))
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         s = torch.tensor(src, dtype=torch.int64, device=self.caches[0].device)
@@ -159,6 +164,8 @@ class InBlocks:
         self.plan: list[tuple[str, Resident, int, int, int]] = []  # this forward: (rid, state, first token, end, phys before)
         self.last_tokens = 0
         self.compactions = 0
+        self.stalls = 0  # steps in a row that scheduled nothing while nothing ran (`watch`)
+        self.spills = 0  # snapshots swapped out of the pool for a waiting request
         self.proxy = None  # `replay.ReplayProxy`: the capturable part run as a replayed graph would
 
     # ------------------------------------------------------------------ admission and snapshots
@@ -226,11 +233,14 @@ class InBlocks:
         """A snapshot's resident keys and values per (layer, KV head), in time order (plain lists)."""
         s = self.snapshots[snap]
         keys, values = [], []
-        blocks, offsets = self._slots([b.block_id for b in s.blocks], s.phys)
-        if s.data is not None:
-            raise RuntimeError(f"snapshot {snap!r} was taken while vLLM had its request preempted")
-        for layer in range(len(self.paged.caches)):
-            k, v = self.paged.read(layer, blocks, offsets)
+        if s.data is not None:  # swapped out: its blocks' content in host memory
+            paged = self.paged.over(s.data)
+            blocks, offsets = self._slots(list(range(s.data[0].shape[0])), s.phys, device=s.data[0].device)
+        else:
+            paged = self.paged
+            blocks, offsets = self._slots([b.block_id for b in s.blocks], s.phys)
+        for layer in range(len(paged.caches)):
+            k, v = paged.read(layer, blocks, offsets)
             keys.append(k.float().tolist())
             values.append(v.float().tolist())
         return {"keys": keys, "values": values, "compactions": s.compactions}
@@ -262,7 +272,7 @@ class InBlocks:
         need = math.ceil((r.phys + num_new_tokens + num_lookahead_tokens) / self.block_size)
         held = self.group.req_to_blocks[rid]
         more = need - len(held)
-        if more > self.pool.get_num_free_blocks():
+        if more > self.pool.get_num_free_blocks() and not self.spill(more):
             return None
         new = self.pool.get_new_blocks(more) if more > 0 else []
         held.extend(new)
@@ -311,6 +321,31 @@ class InBlocks:
                                                  [s.clone() for s in r.stats] if r.stats else None)
         self._release_row(r)
         self.ended[rid] = r
+
+    @torch.inference_mode()
+    def spill(self, need: int) -> bool:
+        """Swap snapshots out of vLLM's pool (oldest first) until `need` blocks are free: a
+        snapshot holds blocks only while nobody waits for them (as the prefix cache does), so
+        finished candidates never keep a waiting request out. True when `need` blocks are free."""
+        while self.pool.get_num_free_blocks() < need and self.spill_one():
+            pass
+        return self.pool.get_num_free_blocks() >= need
+
+    @torch.inference_mode()
+    def spill_one(self) -> bool:
+        """Swap the oldest snapshot that holds blocks out of the pool (False: none does)."""
+        s = next((s for s in self.snapshots.values() if s.blocks), None)
+        if s is None:
+            return False
+        ids = [b.block_id for b in s.blocks]
+        s.data = self.paged.read_blocks(ids)
+        for r in self.live.values():  # requests forked from it, not yet in blocks of their own
+            if r.restore is not None and r.restore[0] == "blocks" and r.restore[1] == ids:
+                r.restore = ("data", s.data)
+        self.pool.free_blocks(s.blocks)
+        s.blocks = []
+        self.spills += 1
+        return True
 
     def _snapshot_blocks(self):
         for s in self.snapshots.values():
@@ -414,14 +449,30 @@ class InBlocks:
             if ev.bounded and r.phys >= ev.trigger and r.error is None:
                 self.compact(rid, r)
 
+    #: steps in a row that schedule nothing, nothing running, before waiting evicted requests fail
+    STALL_STEPS = 64
+
+    def watch(self, scheduled_tokens: int, running: int) -> None:
+        """A tripwire, not a hang: an evicted request vLLM can never give its blocks (the pool
+        smaller than `budget + buffer` needs, nothing left to free) fails with the reason."""
+        self.stalls = self.stalls + 1 if scheduled_tokens == 0 and running == 0 else 0
+        if self.stalls < self.STALL_STEPS:
+            return
+        free = self.pool.get_num_free_blocks()
+        for r in self.live.values():
+            if not r.allocated and r.error is None:
+                r.error = (f"vLLM's KV pool has {free} free blocks of {self.block_size} tokens and nothing runs: "
+                           f"this evicted request (compacted at {r.evictor.trigger} tokens) cannot get its blocks "
+                           "(a larger `engine.kv_cache_memory_bytes`, or a smaller budget)")
+
     # ------------------------------------------------------------------ compaction (eager, between forwards)
 
     def _ids(self, rid: str) -> list[int]:
         return [b.block_id for b in self.group.req_to_blocks[rid]]
 
-    def _slots(self, ids: list[int], n: int):
+    def _slots(self, ids: list[int], n: int, device=None):
         j = torch.arange(n)
-        dev = self.paged.caches[0].device
+        dev = device if device is not None else self.paged.caches[0].device
         return torch.tensor(ids, dtype=torch.int64)[j // self.block_size].to(dev), (j % self.block_size).to(dev)
 
     def window_of(self, r: Resident, lid: int) -> Optional[torch.Tensor]:

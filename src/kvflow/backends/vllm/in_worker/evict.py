@@ -61,6 +61,7 @@ class Runtime:
         self.blocks.proxy = proxy_from_env()
         self.beside = Beside()
         self.installed = False
+        self.spills_told = 0  # `blocks.spills` already reported in an end message
         self.layers = self.kv_heads = 0
         self.backend = ""  # the attention backend vLLM picked
         self.device = "cpu"
@@ -121,8 +122,9 @@ class Runtime:
             return live.error, {"evicted_recomputes": live.recomputes}
         r = self.blocks.end(rid)
         if r is not None:
+            spills, self.spills_told = self.blocks.spills - self.spills_told, self.blocks.spills
             return r.error, {"evicted_preemptions": r.preemptions, "evicted_blocks_peak": r.blocks_peak,
-                             "evicted_compactions": r.compactions}
+                             "evicted_compactions": r.compactions, "snapshot_spills": spills}
         return None
 
     def error(self, rid: str) -> Optional[str]:
@@ -220,8 +222,11 @@ class Runtime:
             if rid in s.live:
                 return s.allocate(manager, groups, request, num_new_tokens, num_new_computed_tokens,
                                   num_lookahead_tokens)
-            return allocate(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
-                            num_lookahead_tokens, *args, **kwargs)
+            while True:  # a full-context request short of blocks: snapshots leave the pool before vLLM waits or preempts
+                got = allocate(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+                               num_lookahead_tokens, *args, **kwargs)
+                if got is not None or not b.spill_one():
+                    return got
 
         def free_blocks(request):
             if request.request_id in b.live:
@@ -249,6 +254,7 @@ class Runtime:
 
         def update_from_output(scheduler_output, model_output, *args, **kwargs):
             b.forwarded()  # compactions free blocks before vLLM's scheduler reads the step
+            b.watch(scheduler_output.total_num_scheduled_tokens, len(scheduler.running))
             return update(scheduler_output, model_output, *args, **kwargs)
 
         runner._prepare_inputs = _prepare_inputs
