@@ -40,7 +40,7 @@ class VLLMEngine(ServedEngine):
     #: KV held (not computed), the most KV blocks in use after any step, preemptions of requests in
     #: vLLM's blocks, the most blocks one evicted request held, compactions in vLLM's blocks
     OWN_COUNTERS = ("evicted_recomputes", "standins_skipped", "kv_blocks_peak", "evicted_preemptions",
-                    "evicted_blocks_peak", "evicted_compactions", "snapshot_spills")
+                    "evicted_blocks_peak", "evicted_compactions", "snapshot_spills", "ring_replays")
 
     def _send_row(self, req: ProposeRequest, i: int, row: Row, cap: int) -> None:
         spec = req.spec

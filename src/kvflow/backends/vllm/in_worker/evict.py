@@ -61,7 +61,7 @@ class Runtime:
         self.blocks.proxy = proxy_from_env()
         self.beside = Beside()
         self.installed = False
-        self.spills_told = 0  # `blocks.spills` already reported in an end message
+        self.told: dict = {}  # the worker's own counters as the last end message told them
         self.layers = self.kv_heads = 0
         self.backend = ""  # the attention backend vLLM picked
         self.device = "cpu"
@@ -122,10 +122,17 @@ class Runtime:
             return live.error, {"evicted_recomputes": live.recomputes}
         r = self.blocks.end(rid)
         if r is not None:
-            spills, self.spills_told = self.blocks.spills - self.spills_told, self.blocks.spills
             return r.error, {"evicted_preemptions": r.preemptions, "evicted_blocks_peak": r.blocks_peak,
-                             "evicted_compactions": r.compactions, "snapshot_spills": spills}
+                             "evicted_compactions": r.compactions, **self._worker_counts()}
         return None
+
+    def _worker_counts(self) -> dict:
+        """The worker's own counters since the last end message that told them."""
+        now = {"snapshot_spills": self.blocks.spills,
+               "ring_replays": self.blocks.proxy.replays if self.blocks.proxy is not None else 0}
+        out = {k: v - self.told.get(k, 0) for k, v in now.items()}
+        self.told = now
+        return out
 
     def error(self, rid: str) -> Optional[str]:
         live = self.beside.live.get(rid) or self.blocks.live.get(rid)

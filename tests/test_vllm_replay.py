@@ -1,0 +1,102 @@
+"""kvflow's part of vLLM's attention under (a proxy for) CUDA-graph replay (`in_worker/replay.py`).
+
+On a GPU vLLM captures its decode forwards at engine start, with no kvflow request in the batch,
+and replays them afterwards: whatever kvflow decides in Python inside the attention forward is
+frozen as it was at capture. `KVFLOW_VLLM_REPLAY_PROXY=1` does the same on a CPU. Here:
+
+- the proxy's own guarantee, without vLLM: a hook that decides in Python is replayed stale;
+- the ring write (`blocks.InBlocks.write_ring`, the only kvflow op inside vLLM's forward for
+  uniform budgets) replayed on new token maps gives what it gives eagerly, every bucket padded;
+- a vLLM engine under the proxy decodes R-KV's greedy steps, log-probabilities and kept keys as
+  `hf` does (the ring replayed, never re-traced for a new batch), and refuses an evictor that
+  observes attention (its per-row Python `observe()` would not run on a replay).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import require_vllm
+
+
+def test_the_proxy_replays_a_hooks_python_decisions_as_they_were_at_capture():
+    from kvflow.backends.vllm.in_worker.replay import ReplayProxy
+
+    rows: list = []  # Python state: empty at capture, as vLLM's capture batches have no kvflow request
+    seen = torch.zeros(8)
+
+    def per_row(q):
+        for r in rows:
+            seen[r] += q[0, 0]
+        return q * 2
+
+    proxy = ReplayProxy()
+    proxy.run(0, per_row, torch.ones(3, 4))  # traced (bucket 4)
+    rows.append(2)
+    out = proxy.run(0, per_row, torch.ones(3, 4))
+    assert out[:3].eq(2).all() and seen.eq(0).all(), "the replay ran the hook's Python again"
+    assert (proxy.captures, proxy.replays) == (1, 2)
+    per_row(torch.ones(3, 4))  # eagerly, the same hook does its Python work: the contrast
+    assert seen[2] == 1
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 8, 13])
+def test_the_ring_write_replayed_on_new_token_maps_equals_eager(tokens):
+    from kvflow.backends.vllm.in_worker.blocks import InBlocks
+    from kvflow.backends.vllm.in_worker.replay import ReplayProxy
+
+    g = torch.Generator().manual_seed(tokens)
+    q_heads, d, layers = 3, 4, 2
+
+    def fresh():
+        b = InBlocks(window=4, rows=5)
+        b.ensure_ring(layers, q_heads, d, torch.float32, torch.device("cpu"))
+        return b
+
+    eager, replayed = fresh(), fresh()
+    replayed.proxy = ReplayProxy()
+    for step in range(3):  # new token maps each step, as `prepared` writes them between forwards
+        rows = torch.randint(0, 6, (tokens,), generator=g)
+        pos = torch.randint(0, 4, (tokens,), generator=g)
+        q = torch.randn(tokens, q_heads * d, generator=g)
+        for b in (eager, replayed):
+            b.tok_row.zero_()
+            b.tok_row[:tokens], b.tok_pos[:tokens] = rows, pos
+        for lid in range(layers):
+            eager.write_ring(lid, q)
+            replayed.attended(None, lid, q, layers)
+    assert replayed.proxy.captures == layers and replayed.proxy.replays == 3 * layers
+    for a, b in zip(eager.ring, replayed.ring):
+        assert torch.equal(a[1:], b[1:])  # row 0 is the sink padded tokens write into
+
+
+def test_a_vllm_engine_under_the_replay_proxy_decodes_as_hf_and_refuses_an_observing_evictor(monkeypatch):
+    require_vllm()
+    from kvflow.backends.vllm import VLLMBackend
+    from kvflow.config.schema import ModelConfig
+    from kvflow.errors import EngineError
+    from kvflow.registry import get_registry
+    from kvflow.testing.engine_parity import backend_model_dir, greedy_steps, load_engine
+
+    monkeypatch.setenv("KVFLOW_VLLM_REPLAY_PROXY", "1")
+    engine = VLLMBackend.load(ModelConfig(backend="vllm", id=str(backend_model_dir("vllm")), dtype="float32",
+                                          device="cpu", engine={"max_num_seqs": 7}))  # an engine of its own
+    hf = load_engine("hf", backend_model_dir("vllm"))
+    try:
+        cls = get_registry().get("evictors", "rkv")
+        rkv = cls(cls.Params(budget=16, buffer=8, window=4))
+        (got, got_state), (want, want_state) = greedy_steps(engine, rkv), greedy_steps(hf, rkv)
+        for step_got, step_want in zip(got, want, strict=True):
+            for (tokens_a, _, lps_a), (tokens_b, _, lps_b) in zip(step_got, step_want, strict=True):
+                assert tokens_a == tokens_b
+                assert max(abs(a - b) for a, b in zip(lps_a, lps_b)) < 1e-4
+        (keys_a, _, compactions_a), (keys_b, _, compactions_b) = engine.kept_kv(got_state), hf.kept_kv(want_state)
+        assert compactions_a == compactions_b > 0
+        assert max((x - y).abs().max().item() for la, lb in zip(keys_a, keys_b) for x, y in zip(la, lb)) < 1e-4
+        assert engine.stats()["ring_replays"] > 0, "no ring write was replayed"
+        cls = get_registry().get("evictors", "h2o")
+        with pytest.raises(EngineError, match="observe"):
+            greedy_steps(engine, cls(cls.Params(budget=16, buffer=8)))
+    finally:
+        engine.worker.close()
