@@ -368,6 +368,7 @@ class InBlocks:
             self.last_tokens = 0
         shift = [0] * n
         rows, poss, at = [], [], []
+        slot_tokens, slot_rows, slot_phys = [], [], []  # each evicted token: its index, batch row, physical slot
         for i, rid in enumerate(batch.req_ids[:n]):
             r = self.live.get(rid)
             if r is None:
@@ -384,6 +385,9 @@ class InBlocks:
                 at.append(torch.arange(first, b))
                 rows.append(torch.full_like(j, r.row))
                 poss.append((r.written + j) % self.window)
+            slot_tokens.append(torch.arange(a, b))
+            slot_rows.append(torch.full((b - a,), i))
+            slot_phys.append(torch.arange(r.phys, r.phys + b - a))
             self.plan.append((rid, r, a, b, r.phys))
         if not self.plan:
             return
@@ -392,14 +396,17 @@ class InBlocks:
             self.tok_row[index] = torch.cat(rows).to(self.tok_row.device)
             self.tok_pos[index] = torch.cat(poss).to(self.tok_pos.device)
             self.last_tokens = qsl[-1]
-        total = qsl[-1]
         dev = runner.seq_lens.device
         s = torch.tensor(shift, dtype=runner.seq_lens.dtype)
         runner.seq_lens[:n] -= s.to(dev)
         runner.optimistic_seq_lens_cpu[:n] -= s.to(runner.optimistic_seq_lens_cpu.dtype)
-        per_token = s.to(dev).to(torch.int64)[runner.req_indices.gpu[:total].long()]
-        physical = runner.positions[:total] - per_token.to(runner.positions.dtype)
-        batch.block_table.compute_slot_mapping(n, runner.query_start_loc.gpu[: n + 1], physical)
+        # evicted tokens' slots: their physical positions over their block tables (vLLM wrote the
+        # others' and the block tables, committed to the device, in `_prepare_inputs`)
+        tokens, row, phys = torch.cat(slot_tokens), torch.cat(slot_rows), torch.cat(slot_phys)
+        for table in batch.block_table.block_tables:
+            bs, bt, slots = table.block_size, table.block_table.gpu, table.slot_mapping.gpu
+            row_d, phys_d = row.to(bt.device), phys.to(bt.device)
+            slots[tokens.to(slots.device)] = (bt[row_d, phys_d // bs].long() * bs + phys_d % bs).to(slots.dtype)
 
     def ensure_ring(self, layers: int, q_heads: int, head_dim: int, dtype, device) -> None:
         """The ring and the token map exist (made at vLLM's first forward: its profiling run,
@@ -442,12 +449,15 @@ class InBlocks:
     def forwarded(self) -> None:
         """After the forward, before vLLM's scheduler reads its output: counters, compactions."""
         plan, self.plan = self.plan, []
+        due: dict[tuple, list] = {}  # requests that compact now, by (evictor, slots held): compacted together
         for rid, r, a, b, p0 in plan:
             n = b - a
             r.phys, r.next, r.written = p0 + n, r.next + n, r.written + n
             ev = r.evictor
             if ev.bounded and r.phys >= ev.trigger and r.error is None:
-                self.compact(rid, r)
+                due.setdefault((id(ev), r.phys), []).append((rid, r))
+        for group in due.values():
+            self.compact(group)
 
     #: steps in a row that schedule nothing, nothing running, before waiting evicted requests fail
     STALL_STEPS = 64
@@ -483,30 +493,42 @@ class InBlocks:
         pos = (r.written - w + torch.arange(w)) % self.window
         return self.ring[lid][r.row, pos.to(self.ring[lid].device)].transpose(0, 1)[None]
 
-    def compact(self, rid: str, r: Resident) -> None:
-        """Evict the request down to `budget` slots per (layer, KV head), as the `hf` cache does,
-        and give its tail blocks back to vLLM's pool."""
-        ev, n = r.evictor, r.phys
+    def compact(self, group: list[tuple[str, Resident]]) -> None:
+        """Evict requests of one evictor holding the same slot count down to `budget` slots per
+        (layer, KV head), as the `hf` cache does (its rows together, one `select` per layer),
+        and give their tail blocks back to vLLM's pool."""
+        rs = [r for _, r in group]
+        ev, n, rows = rs[0].evictor, rs[0].phys, len(group)
         budget = ev.params.budget
-        blocks, offsets = self._slots(self._ids(rid), n)
-        gen = torch.Generator().manual_seed((r.rng_key * 1_000_003 + r.compactions) % 2**63)
-        lengths, protected = torch.tensor([n]), torch.tensor([r.n_protected])
+        where = [self._slots(self._ids(rid), n) for rid, _ in group]
+        blocks, offsets = torch.cat([w[0] for w in where]), torch.cat([w[1] for w in where])  # [rows * n]
+        kept_blocks = torch.cat([w[0][:budget] for w in where])
+        kept_offsets = torch.cat([w[1][:budget] for w in where])
+        gens = [torch.Generator().manual_seed((r.rng_key * 1_000_003 + r.compactions) % 2**63) for r in rs]
+        lengths, protected = torch.full((rows,), n), torch.tensor([r.n_protected for r in rs])
         for lid in range(len(self.paged.caches)):
-            keys, values = self.paged.read(lid, blocks, offsets)  # [kv_heads, n, D]
-            stats = r.stats[lid][None, :, :n] if r.stats is not None else None
-            keep = ev.select(keys[None], values[None], self.window_of(r, lid), layer_idx=lid, lengths=lengths,
-                             n_protected=protected, generators=[gen], stats=stats)[0]  # [kv_heads, budget]
+            k, v = self.paged.read(lid, blocks, offsets)  # [kv_heads, rows * n, D]
+            keys = k.unflatten(1, (rows, n)).transpose(0, 1)  # [rows, kv_heads, n, D]
+            values = v.unflatten(1, (rows, n)).transpose(0, 1)
+            window = torch.cat([self.window_of(r, lid) for r in rs]) if ev.query_window else None  # [rows, Hq, W, D]
+            stats = torch.stack([r.stats[lid][:, :n] for r in rs]) if rs[0].stats is not None else None
+            keep = ev.select(keys, values, window, layer_idx=lid, lengths=lengths, n_protected=protected,
+                             generators=gens, stats=stats)  # [rows, kv_heads, budget]
             idx = keep.to(keys.device)[..., None]
-            self.paged.write(lid, blocks[:budget], offsets[:budget], keys.gather(1, idx.expand(-1, -1, keys.shape[-1])),
-                             values.gather(1, idx.expand(-1, -1, values.shape[-1])))
+            d = keys.shape[-1]
+            self.paged.write(lid, kept_blocks, kept_offsets,
+                             keys.gather(2, idx.expand(-1, -1, -1, d)).transpose(0, 1).flatten(1, 2),
+                             values.gather(2, idx.expand(-1, -1, -1, values.shape[-1])).transpose(0, 1).flatten(1, 2))
             if stats is not None:
-                new = torch.zeros_like(r.stats[lid])
-                new[:, :budget] = stats[0].gather(1, keep)
-                r.stats[lid] = new
-        r.phys = budget
-        r.compactions += 1
-        self.compactions += 1
-        self.shrink(rid, math.ceil(budget / self.block_size))
+                for i, r in enumerate(rs):
+                    new = torch.zeros_like(r.stats[lid])
+                    new[:, :budget] = stats[i].gather(1, keep[i])
+                    r.stats[lid] = new
+        for rid, r in group:
+            r.phys = budget
+            r.compactions += 1
+            self.compactions += 1
+            self.shrink(rid, math.ceil(budget / self.block_size))
 
     def shrink(self, rid: str, keep: int) -> None:
         """Free the request's blocks past its first `keep`, in vLLM's pool and in the runner's block table."""
