@@ -29,6 +29,12 @@
 #   bash bench/gpu_check.sh batchinv   # issue 49, about 3 minutes: hf's batch-invariant forwards on CUDA
 #                                      # (run.deterministic): a row's logits alone vs among 7 and 31 others,
 #                                      # mode off and on, and the mode's decode cost (bench/batch_invariant_check.py)
+#   bash bench/gpu_check.sh vllm       # issue 46, about 8 minutes: the vLLM graphs part below, then evicted (R-KV
+#                                      # 64 + 128) vs full KV on vLLM with CUDA graphs, 7B-shaped random weights,
+#                                      # N = 8, ample and tight KV memory (bench/vllm_evicted.py; where vLLM is
+#                                      # importable: the lent image had none, and its wheel is past what a session carries)
+#   bash bench/gpu_check.sh vllm_graphs  # issue 46, under a minute, no vLLM needed: the query ring write captured in a
+#                                      # real CUDA graph with no kvflow request, replayed on new token maps, vs eager
 # SGLang part (issue 16; runs only where SGLang 0.5.23 is importable, which the lent machine's
 # image was not): a random-weight Qwen2.5-Math-7B-shaped checkpoint on disk, evicted (R-KV,
 # B=64 + 128) vs full-KV decoding on SGLang at equal batch (N = 8) and growing output lengths:
@@ -112,11 +118,25 @@ graphs_part() {  # issue 25: the capturable SGLang hook under torch.cuda.graph, 
   PYTHONPATH="src:plugins:${PYTHONPATH:-}" timeout 120 ${PYTHON:-python3} bench/sglang_graph_capture.py --bs 64 \
     | tee "${OUT:-.}/gpu_sglang_graph_capture.json"
 }
+vllm_part() {  # issue 46: evicted requests in vLLM's blocks on CUDA (graphs and torch.compile on), where vLLM is importable
+  ${PYTHON:-python3} -c "import vllm" 2>/dev/null || { skipped vllm "vLLM is not importable on this machine"; return $?; }
+  dir="${TMPDIR:-/tmp}/kvflow-random-qwen2.5-math-7b"
+  ${PYTHON:-python3} bench/scheduler_throughput.py --save-model "$dir" --shape 7b || return 1
+  KVFLOW_VLLM_PYTHON="$(command -v ${PYTHON:-python3})" timeout 480 ${PYTHON:-python3} bench/vllm_evicted.py \
+    --engines vllm --device cuda --model "$dir" --dtype bfloat16 --n 8 --lengths 512,1024,2048 --evictor rkv \
+    --budget 64 --buffer 128 --memory ample,tight --tight-tokens 16384 --out "${OUT:-.}/gpu_vllm_evicted.json"
+}
+vllm_graphs_part() {  # issue 46: kvflow's op inside vLLM's forward (the query ring write) under torch.cuda.graph, no vLLM
+  PYTHONPATH="src:plugins:${PYTHONPATH:-}" timeout 120 ${PYTHON:-python3} bench/vllm_graph_capture.py --bs 64 \
+    | tee "${OUT:-.}/gpu_vllm_graph_capture.json"
+}
 batchinv_part() {  # issue 49: cuBLAS and CUDA sdpa under kvflow's tiles and row-by-row attention
   timeout 300 ${PYTHON:-python3} bench/batch_invariant_check.py --device cuda --shape qwen2.5-7b --layers 8 \
     --batches 1,8,32 --steps 32 --prompt 200 --out "${OUT:-.}/gpu_batch_invariant.json"
 }
 if [ "${1:-}" = "batchinv" ]; then batchinv_part; exit $?; fi
+if [ "${1:-}" = "vllm" ]; then vllm_graphs_part && vllm_part; exit $?; fi
+if [ "${1:-}" = "vllm_graphs" ]; then vllm_graphs_part; exit $?; fi
 if [ "${1:-}" = "sglang" ]; then sglang_part; exit $?; fi
 if [ "${1:-}" = "graphs" ]; then graphs_part; exit $?; fi
 if [ "${1:-}" = "fast" ]; then fast_part; exit $?; fi

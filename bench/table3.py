@@ -32,8 +32,8 @@ Prints one JSON object (and writes it to `--out`). `--engine sglang` runs the sa
 on SGLang (each model's worker pool sized from run.kv_memory by
 kvflow.runtime.kv_budget.kv_memory_engines; CPU time is then not measured: it is the worker's).
 `--engine vllm` runs them on vLLM: kvflow's admission bounds the KV by `run.kv_memory` (vLLM's
-own pool keeps its default size, and evicted rows live in kvflow's budgeted cache inside the
-worker, beside vLLM's blocks: docs/backends.md#vllm-evicted); CPU time is the worker's too.
+own pool keeps its default size; evicted rows live in vLLM's blocks, compacted in place:
+docs/backends.md#vllm-evicted); CPU time is the worker's too.
 """
 
 from __future__ import annotations
@@ -150,6 +150,8 @@ def measure(doc: dict, kv_memory: int, directory: Path) -> dict:
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         kv = dict(session.occupancy.kv)
         occupancy = session.occupancy.summary()
+        counters = {key: {k: v for k, v in engine.stats().items() if isinstance(v, (int, float))}
+                    for key, engine in session.engines.items() if callable(getattr(engine, "stats", None))}
     in_process = all(m["backend"] == "hf" for m in doc["models"].values())  # SGLang decodes in its worker
     return {"problems": len(done), "wall_s": round(wall, 2), "cpu_s": round(cpu, 2) if in_process else None,
             "load": [round(load0, 1), round(os.getloadavg()[0], 1)],
@@ -160,7 +162,8 @@ def measure(doc: dict, kv_memory: int, directory: Path) -> dict:
             "mean_steps": round(sum(d[2] for d in done) / len(done), 1),
             "peak_kv_bytes": kv.get("peak_bytes"), "peak_kv_mib": round(kv.get("peak_bytes", 0) / 2**20, 1),
             "peak_problems": kv.get("peak_problems"), "peak_rows": kv.get("peak_rows"),
-            "mean_rows_per_forward": {k: v["mean_rows"] for k, v in occupancy.items()}}
+            "mean_rows_per_forward": {k: v["mean_rows"] for k, v in occupancy.items()},
+            "engine_stats": counters}  # warm-up included
 
 
 def main() -> None:

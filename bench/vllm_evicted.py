@@ -42,6 +42,7 @@ def main() -> None:
     ap.add_argument("--engines", default="vllm,sglang")
     ap.add_argument("--memory", default="ample,tight")
     ap.add_argument("--tight-tokens", type=int, default=1280)
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default="docs/results/bench/vllm_evicted.json")
     args = ap.parse_args()
 
@@ -67,13 +68,13 @@ def main() -> None:
     out: dict = {"model": args.model, "dtype": args.dtype, "n": args.n, "evictor": args.evictor,
                  "budget": args.budget, "buffer": args.buffer, "tight_tokens": args.tight_tokens,
                  "kv_bytes_per_token": kv_bytes_per_token, "cpu": cpu_model(), "machine": platform.machine(),
-                 "threads": threads, "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
+                 "threads": threads, "device": args.device, "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
                  "load_before": os.getloadavg(), "runs": {}}
     for backend in args.engines.split(","):
         for memory in args.memory.split(","):
-            settings = _settings(backend, memory, args.tight_tokens, kv_bytes_per_token)
+            settings = _settings(backend, memory, args.tight_tokens, kv_bytes_per_token, max(lengths))
             for label, ev in ((args.evictor, evictor), ("full", full)):
-                cfg = ModelConfig(backend=backend, id=args.model, dtype=args.dtype, device="cpu", engine=settings)
+                cfg = ModelConfig(backend=backend, id=args.model, dtype=args.dtype, device=args.device, engine=settings)
                 evicting = label != "full"
                 engine = backend_named(backend, reg).load(cfg, evicting=evicting,
                                                    evictors=[(type(ev), ev.params)] if evicting else [])
@@ -104,9 +105,9 @@ def main() -> None:
     write_json(Path(args.out), out)
 
 
-def _settings(backend: str, memory: str, tight_tokens: int, kv_bytes_per_token: int) -> dict:
+def _settings(backend: str, memory: str, tight_tokens: int, kv_bytes_per_token: int, longest: int) -> dict:
     if backend == "vllm":
-        settings = {"max_model_len": CONTEXT}
+        settings = {"max_model_len": max(CONTEXT, longest + 512)}  # the prompt and the +32 past the last checkpoint
         if memory == "tight":
             settings["kv_cache_memory_bytes"] = tight_tokens * kv_bytes_per_token
         return settings

@@ -56,7 +56,7 @@ def test_the_ring_write_replayed_on_new_token_maps_equals_eager(tokens):
 
     eager, replayed = fresh(), fresh()
     replayed.proxy = ReplayProxy()
-    for step in range(3):  # new token maps each step, as `prepared` writes them between forwards
+    for _ in range(3):  # new token maps each step, as `prepared` writes them between forwards
         rows = torch.randint(0, 6, (tokens,), generator=g)
         pos = torch.randint(0, 4, (tokens,), generator=g)
         q = torch.randn(tokens, q_heads * d, generator=g)

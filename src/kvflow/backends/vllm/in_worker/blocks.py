@@ -28,12 +28,16 @@ Seams (no vLLM file is changed; `evict.install` wires them):
 - after the forward (`forwarded`, before vLLM's scheduler reads the step's output): a request
   that reached `budget + buffer` is compacted in place by the very `Evictor.select` the `hf`
   cache calls (same inputs: keys and values per head, the query window, the statistic, the same
-  seeded generator), and its tail blocks are freed at once, so the next schedule can admit a
+  seeded generator; the requests of one evictor that compact in the same step together, as
+  `hf`'s rows), and its tail blocks are freed at once, so the next schedule can admit a
   waiting request into them.
 
 Snapshots (`save_as`) keep a request's blocks (a reference on each) with its counters, query
 ring and statistic; a request `from` a snapshot gets blocks of its own and a copy of the
-snapshot's (a fork copies blocks, not tensors of the model's shapes outside the pool).
+snapshot's (a fork copies blocks, not tensors of the model's shapes outside the pool). A
+snapshot holds pool blocks only while no request waits for them (`spill`: its blocks' content
+then waits in host memory), and a request vLLM preempts keeps its KV in host memory until vLLM
+runs it again (its evicted tokens cannot be recomputed).
 """
 
 from __future__ import annotations

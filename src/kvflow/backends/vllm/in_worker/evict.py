@@ -156,7 +156,7 @@ class Runtime:
     # ------------------------------------------------------------------ engine hooks
 
     def kv_cache_made(self, runner) -> None:
-        """vLLM made its KV cache (`_hook_kv_cache_init`): make the query ring beside it."""
+        """vLLM profiles its memory or made its KV cache (`_hook_kv_cache_init`): the query ring exists."""
         mc = runner.model_config
         q_heads = mc.get_num_attention_heads(runner.parallel_config)
         self.blocks.ensure_ring(mc.hf_config.num_hidden_layers, q_heads, mc.get_head_size(), mc.dtype,
@@ -354,8 +354,10 @@ def register() -> Runtime:
 
 
 def _hook_kv_cache_init() -> None:
-    """kvflow's tables are made when vLLM makes its KV cache: after the model loads, before
-    any CUDA graph is captured (a graph holds them as static buffers)."""
+    """kvflow's tables are made before vLLM profiles its memory (`profile_run`: on a GPU vLLM
+    sizes its KV cache from what is left after it, so the query ring is counted, not allocated
+    past `gpu_memory_utilization`), or at the latest when vLLM makes its KV cache; always
+    before any CUDA graph is captured (a graph holds them as static buffers)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     classes = [GPUModelRunner]
@@ -366,15 +368,18 @@ def _hook_kv_cache_init() -> None:
     except ImportError:  # a GPU build
         pass
     for cls in classes:
-        original = vars(cls).get("initialize_kv_cache")
-        if original is None or getattr(original, "_kvflow", False):
-            continue
+        for name, before in (("profile_run", True), ("initialize_kv_cache", False)):
+            original = vars(cls).get(name)
+            if original is None or getattr(original, "_kvflow", False):
+                continue
 
-        def initialize_kv_cache(self, *args, _original=original, **kwargs):
-            out = _original(self, *args, **kwargs)
-            if RUNTIME is not None:
-                RUNTIME.kv_cache_made(self)
-            return out
+            def hooked(self, *args, _original=original, _before=before, **kwargs):
+                if _before and RUNTIME is not None:
+                    RUNTIME.kv_cache_made(self)
+                out = _original(self, *args, **kwargs)
+                if not _before and RUNTIME is not None:
+                    RUNTIME.kv_cache_made(self)
+                return out
 
-        initialize_kv_cache._kvflow = True
-        cls.initialize_kv_cache = initialize_kv_cache
+            hooked._kvflow = True
+            setattr(cls, name, hooked)

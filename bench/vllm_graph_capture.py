@@ -1,0 +1,99 @@
+"""kvflow's part of vLLM's attention forward under a real CUDA graph (no vLLM needed): prepared
+for `bench/gpu_check.sh vllm_graphs`, the GPU counterpart of tests/test_vllm_replay.py.
+
+For uniform budgets the only kvflow op inside vLLM's forward is the query ring write
+(`kvflow.backends.vllm.in_worker.blocks.InBlocks.write_ring`). It is captured with
+`torch.cuda.graph` the way vLLM captures a decode batch -- warm-ups, then the capture, with no
+kvflow request in the batch (every token mapped to the ring's sink row 0) -- for each layer of
+a 4-layer, 7B-like shape (28 query heads, head_dim 128, bf16) at a capture size. Then the host
+admits evicted requests (token maps written in place between forwards, as
+`InBlocks.prepared` writes them), new queries are copied into the static input, and the graph
+is replayed for three steps; the ring is compared with an eager run on a copy. Prints one JSON
+line; exit 1 when they differ.
+
+    PYTHONPATH=src:plugins python bench/vllm_graph_capture.py [--bs 64]
+    PYTHONPATH=src:plugins python bench/vllm_graph_capture.py --cpu   # the same on a CPU, make_fx for the graph
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bs", type=int, default=64, help="the capture size (tokens per forward)")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--cpu", action="store_true", help="check the script itself without a GPU (make_fx trace)")
+    args = ap.parse_args()
+    if not args.cpu and not torch.cuda.is_available():
+        print(json.dumps({"skipped": "no CUDA device"}))
+        return 0
+    from kvflow.backends.vllm.in_worker.blocks import InBlocks
+
+    dev, dtype = torch.device("cpu" if args.cpu else "cuda"), torch.bfloat16
+    layers, q_heads, d, bs, rows = args.layers, 28, 128, args.bs, 16
+
+    def fresh():
+        b = InBlocks(window=32, rows=rows)
+        b.ensure_ring(layers, q_heads, d, dtype, dev)
+        return b
+
+    graphed, eager = fresh(), fresh()
+    q = torch.zeros(bs, q_heads * d, device=dev, dtype=dtype)  # the static input, as vLLM's graph runner keeps it
+
+    def forward(b, q_):
+        for lid in range(layers):
+            b.write_ring(lid, q_)
+
+    if args.cpu:
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        traced = make_fx(lambda q_: forward(graphed, q_))(q)
+
+        def replay():
+            traced(q)
+    else:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                forward(graphed, q)
+        torch.cuda.current_stream().wait_stream(stream)
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph):
+            forward(graphed, q)
+        replay = cuda_graph.replay
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    rng = torch.Generator(device="cpu").manual_seed(1)
+    times = []
+    for step in range(3):  # the host admits requests: each token its ring row and position, between forwards
+        n_tokens = bs - 3 * step  # fewer tokens than the capture size: the rest padded (row 0)
+        tok_row = torch.zeros(bs, dtype=torch.int64)
+        tok_row[:n_tokens] = torch.randint(1, rows + 1, (n_tokens,), generator=rng)
+        tok_pos = torch.randint(0, 32, (bs,), generator=rng)
+        for b in (graphed, eager):
+            b.tok_row[:bs].copy_(tok_row.to(dev))
+            b.tok_pos[:bs].copy_(tok_pos.to(dev))
+        q.copy_(torch.randn(bs, q_heads * d, generator=rng).to(dev, dtype))
+        sync()
+        start = time.perf_counter()
+        replay()
+        sync()
+        times.append((time.perf_counter() - start) * 1e3)
+        forward(eager, q)
+    same = all(torch.equal(a[1:], b[1:]) for a, b in zip(graphed.ring, eager.ring))
+    written = int(sum((r[1:] != 0).any(-1).any(-1).sum() for r in graphed.ring))
+    print(json.dumps({"device": "cpu (make_fx)" if args.cpu else torch.cuda.get_device_name(), "torch": torch.__version__,
+                      "capture_tokens": bs, "layers": layers, "ring_same_as_eager": same, "ring_slots_written": written,
+                      "replay_ms": [round(t, 3) for t in times]}))
+    return 0 if same and written > 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
