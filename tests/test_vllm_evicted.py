@@ -7,8 +7,9 @@ for every registered evictor) run on vLLM too. Here: the two places where an evi
 vLLM's prefix cache share blocks, on a prompt longer than one KV block (128 tokens on a CPU):
 - a full-context request after an evicted one over the same tokens reads only full-context
   keys from the cache (the evicted request's blocks past its stand-ins are never cached);
-- an evicted state whose ingestion crosses a block a full-context request cached does not take
-  a cache hit past its evicted part (the evicted cache sees every token), and decodes as on `hf`;
+- an evicted state whose ingestion (one request, run by vLLM in chunks that end at the
+  compaction points) crosses a block a full-context request cached takes no cache hit (the
+  evicted request's KV sees every token), and decodes and compacts as on `hf`;
 - evicted candidates take no block of vLLM's KV pool (a pool full-context ones fill), and those vLLM
   preempts for full-context ones run again and decode as on `hf`.
 
@@ -88,12 +89,15 @@ def test_an_evicted_ingest_takes_no_cache_hit_past_its_evicted_part(vllm_engine,
     # a full-context request caches the prompt's first block ...
     (full,) = vllm_engine.start([StartRequest(prompt, full_cache(), 0)])
     _greedy(vllm_engine, full, 4)
-    # ... which the evicted state's ingestion (chunks of `buffer` tokens from 22 on: 22, 28, ...,
-    # 124, 130) crosses in one request, whose evicted part starts before the block's end
+    # ... which the evicted state's ingestion crosses: one request, which vLLM's scheduler runs
+    # in chunks that end at the compaction points (22, then 6 at a time: 28, ..., 124, 130)
     evictor = _rkv(buffer=6)
     got = {}
     for engine in (hf_engine, vllm_engine):
+        before = vllm_engine.stats()["ingest_requests"]
         (state,) = engine.start([StartRequest(prompt, evictor, 5)])
+        if engine is vllm_engine:
+            assert engine.stats()["ingest_requests"] == before + 1, "the prompt took a chain of requests"
         cand = _greedy(engine, state, 20)
         got[engine.backend] = (cand.token_ids, cand.logprobs, engine.kept_kv(state))
         engine.release([state])

@@ -9,7 +9,9 @@ it: a pruner, the delimiter; an aborted request may have saved more). Ingesting 
 chain of requests from the snapshot (`s-<rid>`), each at most `budget + buffer - resident`
 tokens long, so the engine compacts at `hf`'s points. Snapshots kvflow no longer needs are
 dropped with the next request it sends to the replica that holds them (a candidate's only
-once its end has arrived: a drop that reached the engine first would leave it behind).
+once its end has arrived: a drop that reached the engine first would leave it behind). An
+engine whose scheduler cuts a request at the compaction points itself (`_chunks_ingest`:
+vLLM, for evictors in its blocks) takes a state's tokens in one request instead of a chain.
 
 `SnapshotStates` is the evicted-state half of `ServedEngine` (`engine.py`), which gives it
 `worker`, `engine_name`, `counters`, `encode`, `_take(replies)` and `_count_meta(meta)`; a backend
@@ -105,7 +107,8 @@ class SnapshotStates:
                 return
             sent = {}
             for s in todo:
-                end = min(len(s.ids) - 1, s.cached + s.evictor.trigger - s.resident)
+                whole = self._chunks_ingest(s.evictor)
+                end = len(s.ids) - 1 if whole else min(len(s.ids) - 1, s.cached + s.evictor.trigger - s.resident)
                 rid = self.worker.new_rid("i")
                 self._ingests[rid] = None
                 self._send_ingest(s, rid, end, self._spec(s, rng_key=s.rng_key, save_as=self._own("s-" + rid, s)))
@@ -122,6 +125,12 @@ class SnapshotStates:
                 s.snap = "s-" + rid
                 s.resident = resident_after(s.resident, n, s.evictor)
                 s.cached += n
+
+    def _chunks_ingest(self, evictor) -> bool:
+        """Whether the engine itself cuts one request's tokens at this evictor's compaction
+        points (then a state's tokens are ingested in one request); else kvflow sends a chain
+        of requests, each ending at one. A backend that can says so."""
+        return False
 
     def _spec(self, s: EvictedState, *, rng_key: int, save_as: str) -> dict:
         return self._common_spec(s, rng_key=rng_key, save_as=save_as)

@@ -59,6 +59,11 @@ class VLLMEngine(ServedEngine):
     def _send_ingest(self, s: EvictedState, rid: str, end: int, spec: dict) -> None:
         self.worker.send("generate", rid, s.ids[:end], {"max_tokens": 1, "temperature": 0.0}, spec)
 
+    def _chunks_ingest(self, evictor) -> bool:
+        """An evictor in vLLM's blocks (the same count in every layer and head): vLLM's scheduler
+        runs such a request at most up to its next compaction per forward (`in_worker/evict.py`)."""
+        return not evictor.varies(self.kv_shape()[0])
+
     def _spec(self, s: EvictedState, *, rng_key: int, save_as: str) -> dict:
         """What a request tells the worker (`in_worker/evict.py`) about its evicted state."""
         return dict(self._common_spec(s, rng_key=rng_key, save_as=save_as), first=s.cached)

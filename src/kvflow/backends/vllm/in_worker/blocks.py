@@ -16,6 +16,9 @@ Seams (no vLLM file is changed; `evict.install` wires them):
   up or fills the prefix cache, and counts as computed every token its KV already holds
   (`computed`); its blocks go back to the pool when it compacts (the tail past `budget`), ends
   (unless saved as a snapshot) or is preempted (its KV then waits outside the pool, `swap`);
+- the scheduler (`_reserve_prefill_lookahead`, vLLM's last say on a request's tokens this
+  step): an evicted request runs at most up to its next compaction per forward, so one request
+  ingests any number of tokens (chunked prefill) with compactions where `hf` makes them;
 - the model runner (`_prepare_inputs`, host side, before the forward): the attention metadata of
   an evicted request carry its physical length (`seq_lens`, the slot mapping over its block
   table), its positions stay logical (RoPE). The metadata stay vLLM's persistent tensors,

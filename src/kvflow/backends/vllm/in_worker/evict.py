@@ -251,7 +251,18 @@ class Runtime:
 
     def _hook_runner(self, runner, scheduler) -> None:
         prepare, update = runner._prepare_inputs, scheduler.update_from_output
+        reserve = scheduler._reserve_prefill_lookahead
         b = self.blocks
+
+        def _reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens):
+            """vLLM's last say on a request's tokens this step (running and waiting alike): an
+            evicted request in blocks runs at most up to its next compaction, so one request
+            ingests any number of tokens with compactions at `hf`'s points (chunked prefill)."""
+            n = reserve(request, num_computed_tokens, num_new_tokens)
+            r = b.live.get(request.request_id)
+            if r is not None and r.evictor.bounded:
+                n = min(n, r.evictor.trigger - r.phys)
+            return n
 
         def _prepare_inputs(scheduler_output, num_scheduled_tokens, *args, **kwargs):
             out = prepare(scheduler_output, num_scheduled_tokens, *args, **kwargs)
@@ -266,6 +277,7 @@ class Runtime:
 
         runner._prepare_inputs = _prepare_inputs
         scheduler.update_from_output = update_from_output
+        scheduler._reserve_prefill_lookahead = _reserve_prefill_lookahead
 
 
 RUNTIME: Optional[Runtime] = None
