@@ -150,6 +150,8 @@ def measure(doc: dict, kv_memory: int, directory: Path) -> dict:
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         kv = dict(session.occupancy.kv)
         occupancy = session.occupancy.summary()
+        for engine in session.engines.values():
+            getattr(engine, "drain", lambda: None)()  # every request's end counted
         counters = {key: {k: v for k, v in engine.stats().items() if isinstance(v, (int, float))}
                     for key, engine in session.engines.items() if callable(getattr(engine, "stats", None))}
     in_process = all(m["backend"] == "hf" for m in doc["models"].values())  # SGLang decodes in its worker

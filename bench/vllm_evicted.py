@@ -84,6 +84,7 @@ def main() -> None:
                     sglang_evicted.warm(engine, prompt, full)
                     result = sglang_evicted.run(engine, prompt, ev, args.n, lengths, held=_kv_held)  # vLLM has no pool query: SGLang's slots only
                     result["engine_settings"] = settings
+                    getattr(engine, "drain", lambda: None)()  # every request's end counted
                     result["stats"] = {k: v for k, v in engine.stats().items() if isinstance(v, (int, float))}
                 except Exception as exc:  # noqa: BLE001 - a configuration that fails is a result too
                     result = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"}

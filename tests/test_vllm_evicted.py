@@ -169,12 +169,14 @@ def test_evicted_candidates_hold_the_blocks_their_budget_needs_where_full_contex
                                                   "base", spec, 0, 400)])
         got = _decode(engine, [ProposeRequest(engine.start([StartRequest(chat_prompt(engine), _rkv(), 9)])[0],
                                               "base", spec, 0, 400)])
+        engine.drain()  # every candidate's end counted (its counters come with it)
         stats = engine.stats()
         assert stats["evicted_blocks_peak"] == 1 and stats["evicted_preemptions"] == 0
         assert stats["evicted_compactions"] >= 4 * (BLOCK + 64) // 8 - 4 and stats["snapshot_spills"] == 1
         _same(got[0], want[0])
         (full,) = engine.start([StartRequest(chat_prompt(engine), full_cache(), 0)])
         _decode(engine, [ProposeRequest(full, "base", spec, 0, 400)])
+        engine.drain()
         assert engine.stats()["kv_blocks_peak"] == 4  # the subject's contrast: full context fills the pool
     finally:
         engine.worker.close()
@@ -196,6 +198,7 @@ def test_an_evicted_request_vllm_preempts_for_a_full_context_one_decodes_as_on_h
                                                                0, 400),
                                              ProposeRequest(evicted, "base", SamplingSpec(3, 0.0, 1.0, BLOCK + 64, NEVER),
                                                             0, 400))
+        engine.drain()
         assert engine.stats()["evicted_preemptions"] > 0, "vLLM preempted no evicted candidate: the test tested nothing"
     finally:
         engine.worker.close()

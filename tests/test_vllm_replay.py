@@ -94,6 +94,7 @@ def test_a_vllm_engine_under_the_replay_proxy_decodes_as_hf_and_refuses_an_obser
         (keys_a, _, compactions_a), (keys_b, _, compactions_b) = engine.kept_kv(got_state), hf.kept_kv(want_state)
         assert compactions_a == compactions_b > 0
         assert max((x - y).abs().max().item() for la, lb in zip(keys_a, keys_b) for x, y in zip(la, lb)) < 1e-4
+        engine.drain()
         assert engine.stats()["ring_replays"] > 0, "no ring write was replayed"
         cls = get_registry().get("evictors", "h2o")
         with pytest.raises(EngineError, match="observe"):
