@@ -159,7 +159,7 @@ def _same(got, want):
 
 def test_evicted_candidates_hold_the_blocks_their_budget_needs_where_full_context_ones_fill_the_pool(hf_engine):
     """4 candidates of 231 tokens in a KV cache of 4 usable blocks: evicted ones (R-KV 16 + 8)
-    hold one block each (their KV compacted in place 27 times), the prompt's snapshot leaves the
+    hold one block each (their KV compacted in place every 8 tokens), the prompt's snapshot leaves the
     pool for the fourth (a snapshot holds blocks only while nobody waits for them), and all four
     run together, unpreempted, as on `hf`; full-context ones (2 blocks each) fill the pool."""
     spec = SamplingSpec(4, 0.0, 1.0, BLOCK + 64, NEVER)

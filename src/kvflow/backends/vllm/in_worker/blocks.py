@@ -329,7 +329,6 @@ class InBlocks:
         self._release_row(r)
         self.ended[rid] = r
 
-    @torch.inference_mode()
     def spill(self, need: int) -> bool:
         """Swap snapshots out of vLLM's pool (oldest first) until `need` blocks are free: a
         snapshot holds blocks only while nobody waits for them (as the prefix cache does), so

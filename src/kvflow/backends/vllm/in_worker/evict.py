@@ -155,8 +155,8 @@ class Runtime:
 
     # ------------------------------------------------------------------ engine hooks
 
-    def kv_cache_made(self, runner) -> None:
-        """vLLM profiles its memory or made its KV cache (`_hook_kv_cache_init`): the query ring exists."""
+    def make_ring(self, runner) -> None:
+        """Before vLLM profiles its memory or makes its KV cache (`_hook_kv_cache_init`): the query ring exists."""
         mc = runner.model_config
         q_heads = mc.get_num_attention_heads(runner.parallel_config)
         self.blocks.ensure_ring(mc.hf_config.num_hidden_layers, q_heads, mc.get_head_size(), mc.dtype,
@@ -368,8 +368,9 @@ def register() -> Runtime:
 def _hook_kv_cache_init() -> None:
     """kvflow's tables are made before vLLM profiles its memory (`profile_run`: on a GPU vLLM
     sizes its KV cache from what is left after it, so the query ring is counted, not allocated
-    past `gpu_memory_utilization`), or at the latest when vLLM makes its KV cache; always
-    before any CUDA graph is captured (a graph holds them as static buffers)."""
+    past `gpu_memory_utilization`), or at the latest before vLLM makes its KV cache (an engine
+    that skips the profile); always before any CUDA graph is captured (a graph holds them as
+    static buffers). Making them is idempotent."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     classes = [GPUModelRunner]
@@ -380,18 +381,15 @@ def _hook_kv_cache_init() -> None:
     except ImportError:  # a GPU build
         pass
     for cls in classes:
-        for name, before in (("profile_run", True), ("initialize_kv_cache", False)):
+        for name in ("profile_run", "initialize_kv_cache"):
             original = vars(cls).get(name)
             if original is None or getattr(original, "_kvflow", False):
                 continue
 
-            def hooked(self, *args, _original=original, _before=before, **kwargs):
-                if _before and RUNTIME is not None:
-                    RUNTIME.kv_cache_made(self)
-                out = _original(self, *args, **kwargs)
-                if not _before and RUNTIME is not None:
-                    RUNTIME.kv_cache_made(self)
-                return out
+            def hooked(self, *args, _original=original, **kwargs):
+                if RUNTIME is not None:
+                    RUNTIME.make_ring(self)
+                return _original(self, *args, **kwargs)
 
             hooked._kvflow = True
             setattr(cls, name, hooked)
