@@ -2,8 +2,10 @@
 
 For evicted requests in vLLM's blocks (`kvflow.backends.vllm.in_worker.blocks`), vLLM's own
 kernel attends every row; kvflow adds, inside the forward, the query ring write
-(`InBlocks.write_ring`: each token's post-RoPE query into its request's ring row) and, for an
-evictor that observes attention (H2O; eager engines only), its own `observe()` per request. Per
+(`InBlocks.write_ring`: each token's post-RoPE query into its request's ring row) and, for H2O,
+its statistic (`statistic.StatTable.accumulate`: every row's slots read, softmaxed and summed,
+as a replayed graph runs it: all E rows over S slots, here E = the batch, S = budget + buffer,
+the smallest `KVFLOW_VLLM_STAT_SPAN` that serves it). Per
 evictor (rkv, snapkv, h2o at the paper's B = 64, buffer 128), model shape (Qwen2.5-7B; 1.5B;
 72B per rank at tp 4) and batch, this counts the bytes those ops read and write in one decode
 step (all layers; `kvflow.backends.sglang.in_worker.traffic.ByteCounter`'s rules) against one
@@ -41,8 +43,9 @@ class _Impl:
 def hook_bytes(ev, *, batch: int, phys: int, q_heads: int, kv_heads: int, head_dim: int, dtype=torch.bfloat16) -> int:
     """One layer's `InBlocks.attended` for `batch` evicted decode rows holding `phys` slots each, on meta tensors."""
     meta = torch.device("meta")
-    b = InBlocks(window=32, rows=batch)
-    b.ensure_ring(1, q_heads, head_dim, dtype, meta)
+    b = InBlocks(window=32, rows=batch, span=ev.trigger if ev.observes_attention else 0)
+    b.ensure_tables(1, q_heads, kv_heads, head_dim, dtype, meta)
+    b.table.fixed = True  # as a replayed graph: every entry
     per_row = -(-(phys + 1) // BLOCK)
     cache = torch.empty(batch * per_row + 1, kv_heads, BLOCK, 2 * head_dim, dtype=dtype, device=meta)
     b.paged, b.block_size = Paged([cache], "split", BLOCK), BLOCK
@@ -54,8 +57,6 @@ def hook_bytes(ev, *, batch: int, phys: int, q_heads: int, kv_heads: int, head_d
     b.group = _Group
     for i in range(batch):
         r = Resident(ev, 0, 0, None, i + 1, next=1000, phys=phys)
-        if ev.observes_attention:
-            r.stats = [torch.zeros(kv_heads, ev.trigger + 1, device=meta)]
         b.live[str(i)] = r
         b.plan.append((str(i), r, i, i + 1, phys))
     q = torch.empty(batch, q_heads * head_dim, dtype=dtype, device=meta)

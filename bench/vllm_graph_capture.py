@@ -41,7 +41,7 @@ def main() -> int:
 
     def fresh():
         b = InBlocks(window=32, rows=rows)
-        b.ensure_ring(layers, q_heads, d, dtype, dev)
+        b.ensure_tables(layers, q_heads, 4, d, dtype, dev)
         return b
 
     graphed, eager = fresh(), fresh()

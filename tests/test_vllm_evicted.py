@@ -204,3 +204,24 @@ def test_an_evicted_request_vllm_preempts_for_a_full_context_one_decodes_as_on_h
         engine.worker.close()
     for got, want in zip(runs["vllm"], runs["hf"]):
         _same(got, want)
+
+
+def test_h2o_statistic_kept_in_the_forward_is_hf_s(vllm_engine, hf_engine):
+    """H2O's statistic on vLLM is the worker's table (`statistic.py`: one fixed-shape op per
+    layer over the step's one-token rows, the op a captured graph replays; a prompt or chunk
+    observed eagerly, causally): after the evictor contract's scenario (a prompt, decoded
+    steps adopted, then ingested ones) every kept slot's statistic is `hf`'s. Kept keys alone
+    cannot show it: a random model's accumulated attention grows with a token's age, which a
+    table that lost every decode step would rank the same way."""
+    import torch
+
+    from kvflow.testing.engine_parity import greedy_steps
+
+    cls = get_registry().get("evictors", "h2o")
+    h2o = cls(cls.Params(budget=16, buffer=8, window=4))
+    (got, got_state), (want, want_state) = greedy_steps(vllm_engine, h2o), greedy_steps(hf_engine, h2o)
+    assert [[c[0] for c in step] for step in got] == [[c[0] for c in step] for step in want]
+    stats_got, stats_want = vllm_engine.kept_statistic(got_state), hf_engine.kept_statistic(want_state)
+    assert len(stats_got) == len(stats_want) and stats_want[0].sum() > 0
+    for layer, (a, b) in enumerate(zip(stats_got, stats_want)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"layer {layer}: {m}")

@@ -7,9 +7,12 @@ frozen as it was at capture. `KVFLOW_VLLM_REPLAY_PROXY=1` does the same on a CPU
 - the proxy's own guarantee, without vLLM: a hook that decides in Python is replayed stale;
 - the ring write (`blocks.InBlocks.write_ring`, the only kvflow op inside vLLM's forward for
   uniform budgets) replayed on new token maps gives what it gives eagerly, every bucket padded;
-- a vLLM engine under the proxy decodes R-KV's greedy steps, log-probabilities and kept keys as
-  `hf` does (the ring replayed, never re-traced for a new batch), and refuses an evictor that
-  observes attention (its per-row Python `observe()` would not run on a replay).
+- H2O's statistic (`statistic.StatTable.accumulate`, the other kvflow op inside the forward)
+  replayed on new entries gives H2O's own `observe()`, over both of vLLM's KV layouts;
+- a vLLM engine under the proxy decodes R-KV's and H2O's greedy steps, log-probabilities, kept
+  keys (and H2O's statistic) as `hf` does (the ring and the statistic replayed, never re-traced
+  for a new batch), and refuses an evictor that observes attention with its own `observe()`
+  (per-row Python would not run on a replay).
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ def test_the_ring_write_replayed_on_new_token_maps_equals_eager(tokens):
 
     def fresh():
         b = InBlocks(window=4, rows=5)
-        b.ensure_ring(layers, q_heads, d, torch.float32, torch.device("cpu"))
+        b.ensure_tables(layers, q_heads, 1, d, torch.float32, torch.device("cpu"))
         return b
 
     eager, replayed = fresh(), fresh()
@@ -71,15 +74,70 @@ def test_the_ring_write_replayed_on_new_token_maps_equals_eager(tokens):
         assert torch.equal(a[1:], b[1:])  # row 0 is the sink padded tokens write into
 
 
-def test_a_vllm_engine_under_the_replay_proxy_decodes_as_hf_and_refuses_an_observing_evictor(monkeypatch):
+@pytest.mark.parametrize("layout", ["split", "cpu"])
+def test_h2o_statistic_replayed_on_new_entries_is_h2o_s_observe(layout):
+    """The table's op, traced once per layer and replayed on three steps' entries (rows, lengths,
+    blocks rewritten in place between them, as `prepared` does), adds what H2O's own `observe()`
+    adds over each row's slots; a row's several tokens (`observe_row`) add its causal observe()."""
+    from kvflow.backends.vllm.in_worker.blocks import Paged
+    from kvflow.backends.vllm.in_worker.replay import ReplayProxy
+    from kvflow.backends.vllm.in_worker.statistic import StatTable
+    from kvflow.registry import get_registry
+
+    g = torch.Generator().manual_seed(3)
+    layers, kv_heads, q_heads, d, bs, blocks, rows, span = 2, 2, 4, 8, 4, 12, 5, 12
+    caches = [torch.randn(blocks, kv_heads, bs, 2 * d, generator=g) for _ in range(layers)]
+    maps = (torch.randperm(bs * d, generator=g).view(bs, d), torch.randperm(bs * d, generator=g).view(bs, d))
+    paged = Paged(caches, layout, bs, maps if layout == "cpu" else None)
+    cls = get_registry().get("evictors", "h2o")
+    h2o = cls(cls.Params(budget=8, buffer=4, window=2))
+    replayed, proxy = StatTable(rows, span), ReplayProxy()
+    replayed.make(layers, kv_heads, torch.device("cpu"))
+    replayed.fixed = True
+    want = [torch.zeros(rows + 1, kv_heads, span) for _ in range(layers)]
+
+    def keys_of(layer, held, n):
+        j = torch.arange(n)
+        k, _ = paged.read(layer, torch.tensor(held)[j // bs], j % bs)  # [Hkv, n, D]
+        return k
+
+    for step in range(3):
+        tokens = 5 + step  # one bucket (8): traced once per layer
+        q = torch.randn(tokens, q_heads * d, generator=g)
+        entries = []
+        for e, row in enumerate(torch.randperm(rows, generator=g)[: 2 + step].tolist()):
+            held = torch.randperm(blocks, generator=g)[: span // bs].tolist()
+            entries.append((e, row + 1, int(torch.randint(1, span + 1, (1,), generator=g)), held))
+        replayed.fill(entries, bs)
+        for layer in range(layers):
+            proxy.run(("stat", layer), lambda x: replayed.accumulate(layer, x, paged, q_heads, d ** -0.5), q,
+                      replayed.as_at_capture)
+            for token, row, n, held in entries:
+                h2o.observe(want[layer][row : row + 1, :, :n], q[token].view(1, q_heads, 1, d),
+                            keys_of(layer, held, n)[None], torch.ones(1, 1, n, dtype=torch.bool), layer_idx=layer,
+                            scaling=d ** -0.5)
+    assert proxy.captures == layers and proxy.replays == 3 * layers
+    held, first, n = [3, 7, 1], 5, 4  # a row's four tokens after five slots, eagerly
+    q = torch.randn(q_heads, n, d, generator=g)
+    replayed.observe_row(0, 2, q, keys_of(0, held, first + n), first, d ** -0.5)
+    mask = torch.arange(first + n)[None, :] <= (first + torch.arange(n))[:, None]
+    h2o.observe(want[0][2:3, :, : first + n], q[None], keys_of(0, held, first + n)[None], mask[None], layer_idx=0,
+                scaling=d ** -0.5)
+    for layer in range(layers):
+        torch.testing.assert_close(replayed.stats[layer][1:], want[layer][1:], rtol=1e-6, atol=1e-6)
+
+
+def test_a_vllm_engine_under_the_replay_proxy_decodes_as_hf_and_refuses_an_own_observe(monkeypatch):
     require_vllm()
     from kvflow.backends.vllm import VLLMBackend
     from kvflow.config.schema import ModelConfig
     from kvflow.errors import EngineError
     from kvflow.registry import get_registry
     from kvflow.testing.engine_parity import backend_model_dir, greedy_steps, load_engine
+    from kvflow.testing.third_party import OwnObserveH2O
 
     monkeypatch.setenv("KVFLOW_VLLM_REPLAY_PROXY", "1")
+    monkeypatch.setenv("KVFLOW_VLLM_EVICTED_ROWS", "8")  # the fixed-shape statistic reads every row
     engine = VLLMBackend.load(ModelConfig(backend="vllm", id=str(backend_model_dir("vllm")), dtype="float32",
                                           device="cpu", engine={"max_num_seqs": 7}))  # an engine of its own
     hf = load_engine("hf", backend_model_dir("vllm"))
@@ -97,7 +155,12 @@ def test_a_vllm_engine_under_the_replay_proxy_decodes_as_hf_and_refuses_an_obser
         engine.drain()
         assert engine.stats()["ring_replays"] > 0, "no ring write was replayed"
         cls = get_registry().get("evictors", "h2o")
+        h2o = cls(cls.Params(budget=16, buffer=8, window=4))
+        (got, got_state), (want, want_state) = greedy_steps(engine, h2o), greedy_steps(hf, h2o)
+        assert [[c[0] for c in step] for step in got] == [[c[0] for c in step] for step in want]
+        for a, b in zip(engine.kept_statistic(got_state), hf.kept_statistic(want_state), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         with pytest.raises(EngineError, match="observe"):
-            greedy_steps(engine, cls(cls.Params(budget=16, buffer=8)))
+            greedy_steps(engine, OwnObserveH2O(OwnObserveH2O.Params(budget=16, buffer=8)))
     finally:
         engine.worker.close()

@@ -22,16 +22,16 @@ def test_an_evicted_proposer_on_vllm_validates_on_a_cpu(tmp_path, cli):
 
 
 def test_an_evicted_proposer_on_vllm_is_refused_where_it_cannot_run(tmp_path, cli):
-    """Uniform budgets run in vLLM's blocks on any device, graphs on (R-KV on CUDA validates);
-    budgets that vary by layer run beside them on a CPU, eagerly; an evictor's own observe()
-    runs eagerly; quantized KV is hf's. Each refusal names the field."""
+    """Uniform budgets run in vLLM's blocks on any device, graphs on (R-KV and H2O on CUDA
+    validate); budgets that vary by layer run beside them on a CPU, eagerly; H2O's statistic is
+    kept for rows up to KVFLOW_VLLM_STAT_SPAN slots; quantized KV is hf's. Each refusal names
+    the field. (An evictor's own observe() under graphs: the worker's refusal, below.)"""
     rkv = {"kind": "rkv", "budget": 16, "buffer": 8, "window": 4}
     pyramid = {"kind": "pyramidkv", "budget": 16, "buffer": 8, "window": 4}
     h2o = {"kind": "h2o", "budget": 16, "buffer": 8}
     cases = [({"device": "cuda"}, pyramid, "models.base.device", "on a CPU only"),
              ({"engine": {"enforce_eager": False}}, pyramid, "models.base.engine.enforce_eager", "enforce_eager: false"),
-             ({"device": "cuda"}, h2o, "models.base.engine.enforce_eager",
-              "observes attention"),
+             ({}, {**h2o, "buffer": 600}, "proposers.base.evictor.buffer", "KVFLOW_VLLM_STAT_SPAN"),
              ({}, {"kind": "breadthkv", "budget": 64, "buffer": 32, "window": 4}, "proposers.base.evictor.quantize",
               "quantized KV")]
     for i, (entry, evictor, where, words) in enumerate(cases):
@@ -42,7 +42,8 @@ def test_an_evicted_proposer_on_vllm_is_refused_where_it_cannot_run(tmp_path, cl
         assert where in result.output and words in result.output, result.output
         assert "Traceback" not in result.output
     for i, (entry, evictor) in enumerate([({"device": "cuda", "engine": {"enforce_eager": False}}, rkv),
-                                          ({"device": "cuda", "engine": {"enforce_eager": True}}, h2o), ({}, pyramid)]):
+                                          ({"device": "cuda", "engine": {"enforce_eager": False}}, h2o),
+                                          ({}, pyramid)]):
         path = tiny_pipeline(tmp_path / f"ok{i}", problems=1, evictor=evictor,
                              extra={"models": {"base": {"backend": "vllm", **entry}}})
         result = cli("validate", path)
@@ -129,9 +130,11 @@ def test_the_worker_says_why_an_engine_cannot_run_evicted_requests():
     """What the vLLM worker answers an evicted request on an engine kvflow's hooks do not cover
     (`evict.Runtime.refusal`), from what vLLM resolved: hooks not installed, a varying budget
     where it cannot run beside vLLM's blocks (graphs, another device), a query window past the
-    ring's, an observing evictor under replayed graphs."""
+    ring's, an evictor observing with its own observe() under replayed graphs, H2O past the
+    statistic's table."""
     from kvflow.backends.vllm.in_worker.evict import Runtime
     from kvflow.registry import get_registry
+    from kvflow.testing.third_party import OwnObserveH2O
 
     def evictor(kind, **params):
         cls = get_registry().get("evictors", kind)
@@ -146,8 +149,14 @@ def test_the_worker_says_why_an_engine_cannot_run_evicted_requests():
     runtime.installed, runtime.backend = True, "CPU_ATTN"
     assert runtime.refusal(rkv) is None and runtime.refusal(pyramid) is None and runtime.refusal(h2o) is None
     assert "window 64 is past" in runtime.refusal(evictor("rkv", budget=128, buffer=8, window=64))
+    assert "KVFLOW_VLLM_STAT_SPAN" in runtime.refusal(evictor("h2o", budget=500, buffer=100))
+    own = OwnObserveH2O(OwnObserveH2O.Params(budget=16, buffer=8))
+    assert runtime.refusal(own) is None
     runtime.graphs = True
-    assert "observe()" in runtime.refusal(h2o) and runtime.refusal(rkv) is None
+    assert "observe()" in runtime.refusal(own) and runtime.refusal(h2o) is None and runtime.refusal(rkv) is None
+    runtime.mixed_graphs = True
+    assert "cudagraph_mode FULL" in runtime.refusal(h2o) and runtime.refusal(rkv) is None
+    runtime.mixed_graphs = False
     assert "eager" in runtime.refusal(pyramid)
     runtime.graphs, runtime.backend, runtime.device = False, "FLASH_ATTN", "cuda"
     assert runtime.refusal(rkv) is None and "CPU" in runtime.refusal(pyramid)

@@ -212,6 +212,13 @@ class HFEngine(EngineBase):
             values.append([v[0, h, :n] for h, n in enumerate(heads[0].tolist())])
         return keys, values, int(cache.rows.compactions[0])
 
+    def kept_statistic(self, state: HFState) -> list:
+        """An observing evictor's statistic (H2O's) of the slots an evicted state keeps, per layer
+        [kv_heads, n] float32 in the order of `kept_kv` (uniform budgets; the engine parity tests)."""
+        cache = state.cache
+        n = int(cache.rows.lengths[0])
+        return [layer.stats[0, :, :n].clone() for layer in cache.layers]
+
     def release(self, states: Sequence[HFState], proposals: Sequence[Proposal] = ()) -> None:
         for p in proposals:  # caches are freed with their last reference
             p.handle = None

@@ -82,3 +82,13 @@ class VLLMEngine(ServedEngine):
             return [[torch.tensor(h, dtype=torch.float32).reshape(len(h), -1) for h in layer] for layer in x]
 
         return tensors(data["keys"]), tensors(data["values"]), data["compactions"]
+
+    def kept_statistic(self, state: EvictedState) -> list:
+        """An observing evictor's statistic (H2O's) of the slots an evicted state keeps, per layer
+        [kv_heads, n] float32 (as `HFEngine.kept_statistic`; the engine parity tests)."""
+        import torch
+
+        [(data, _)] = self.ask([("kept", state.snap)], f"reading snapshot {state.snap}")
+        if data.get("stats") is None:
+            raise EngineError("kept_statistic: the state's evictor keeps no statistic")
+        return [torch.tensor(layer, dtype=torch.float32) for layer in data["stats"]]

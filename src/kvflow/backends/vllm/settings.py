@@ -116,8 +116,11 @@ def check_evicting(model_cfg, params, evictor_cls=None) -> Optional[tuple[str, s
     """(field, sentence) where an evicted proposer cannot run on this model entry, else None.
     Uniform budgets run in vLLM's own blocks on any device, graphs on (`in_worker/blocks.py`);
     budgets that vary by layer or head run beside vLLM's blocks in Python (`in_worker/beside.py`):
-    a CPU, eagerly; an evictor's own `observe()` runs per request in Python: eagerly; quantized KV
-    storage is `hf`'s only. The worker checks again what vLLM resolved (`evict.Runtime.refusal`)."""
+    a CPU, eagerly; H2O's statistic is kept in the forward (graphs on) for rows up to
+    `KVFLOW_VLLM_STAT_SPAN` slots; an evictor's own `observe()` runs per request in Python:
+    eagerly; quantized KV storage is `hf`'s only. The worker checks again what vLLM resolved
+    (`evict.Runtime.refusal`)."""
+    from kvflow.backends.vllm.in_worker.statistic import kept_in_table, span_from_env
     from kvflow.models.loading import resolve_device
 
     if getattr(params, "quantize", None):
@@ -136,7 +139,11 @@ def check_evicting(model_cfg, params, evictor_cls=None) -> Optional[tuple[str, s
         if (model_cfg.engine or {}).get("enforce_eager") is False:
             return ("engine.enforce_eager", "this evictor's budget varies by layer or head, which kvflow attends in "
                                             "Python beside vLLM's kernel: remove `enforce_eager: false`")
-    if ev.observes_attention and not eager and device != "cpu":
+    if ev.observes_attention and kept_in_table(ev) and ev.trigger > span_from_env():
+        return ("params.buffer", f"H2O's statistic of a request compacted at budget + buffer = {ev.trigger} slots is "
+                                 f"past the {span_from_env()} slots kvflow's vLLM worker keeps it for: set "
+                                 "KVFLOW_VLLM_STAT_SPAN in kvflow's environment, or lower budget + buffer")
+    if ev.observes_attention and not kept_in_table(ev) and not eager and device != "cpu":
         return ("engine.enforce_eager", "this evictor observes attention with its own observe(), which kvflow runs per "
                                         "request in Python, past vLLM's CUDA graphs: set `enforce_eager: true`")
     return None

@@ -25,9 +25,9 @@ Seams (no vLLM file is changed; `evict.install` wires them):
   rewritten in place: what a CUDA graph replays;
 - the attention backend (`forward`, per layer): vLLM's kernel attends the evicted rows as any
   other; kvflow only writes the step's post-RoPE queries into a ring (fixed-shape `index_put`
-  over the batch, with the token-to-row map the host wrote: capturable) and, for evictors that
-  observe attention (H2O), runs the evictor's own `observe()` per row (eager: refused under
-  graphs);
+  over the batch, with the token-to-row map the host wrote: capturable), adds H2O's statistic
+  (`statistic.py`: one fixed-shape op over the observing rows' slots, capturable), and for an
+  evictor that observes with its own `observe()` runs it per row (eager: refused under graphs);
 - after the forward (`forwarded`, before vLLM's scheduler reads the step's output): a request
   that reached `budget + buffer` is compacted in place by the very `Evictor.select` the `hf`
   cache calls (same inputs: keys and values per head, the query window, the statistic, the same
@@ -52,6 +52,8 @@ from typing import Any, Optional
 
 import torch
 
+from kvflow.backends.vllm.in_worker.statistic import StatTable, kept_in_table
+
 
 @dataclass
 class Resident:
@@ -66,7 +68,8 @@ class Resident:
     phys: int = 0  # slots it holds per (layer, KV head)
     written: int = 0  # queries it wrote into the ring
     compactions: int = 0
-    stats: Optional[list] = None  # evictors that observe attention: per layer [kv_heads, trigger + 1] float32
+    stats: Optional[list] = None  # an evictor's own observe(): per layer [kv_heads, trigger + 1] float32
+    # (H2O's declared statistic lives in the worker's table instead, row `row`: `InBlocks.stats_of`)
     restore: Optional[tuple] = None  # ("blocks", [ids]) or ("data", [per-layer tensors]): its first blocks' content
     allocated: bool = False  # vLLM gave it blocks (its KV is in them)
     error: Optional[str] = None
@@ -85,7 +88,7 @@ class Snapshot:
     written: int
     compactions: int
     ring: Optional[list]  # per layer [W, q_heads, D]: the request's query ring row
-    stats: Optional[list]
+    stats: Optional[list]  # per layer [kv_heads, width]: its statistic (observing evictors)
 
 
 class Paged:
@@ -122,6 +125,14 @@ class Paged:
             return (k[b, :, self.kmap[offsets]].permute(2, 0, 1), v[b, :, self.vmap[offsets]].permute(2, 0, 1))
         return k[blocks, :, offsets].transpose(0, 1), v[blocks, :, offsets].transpose(0, 1)
 
+    def keys_by_row(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Keys of rows of slots in one gather, heads second: blocks, offsets [M, s] -> [M, kv_heads, s, D]."""
+        k, _ = self._regions(layer)
+        heads = torch.arange(k.shape[1], device=k.device)[None, :, None]  # [1, Hkv, 1]
+        if self.layout == "cpu":
+            return k[blocks[:, None, :, None], heads[..., None], self.kmap[offsets][:, None]]
+        return k[blocks[:, None, :], heads, offsets[:, None, :]]
+
     def write(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
         """keys, values [kv_heads, n, D] into these slots."""
         k, v = self._regions(layer)
@@ -157,7 +168,7 @@ class Paged:
 class InBlocks:
     """Every evicted request of one vLLM worker whose KV is in vLLM's blocks (see the module docstring)."""
 
-    def __init__(self, window: int, rows: int) -> None:
+    def __init__(self, window: int, rows: int, span: int = 0) -> None:
         self.window, self.rows = window, rows  # W: the ring's length (the longest query window served); E rows
         self.live: dict[str, Resident] = {}  # vLLM's internal request id -> state, while vLLM has the request
         self.ended: dict[str, Resident] = {}  # requests vLLM freed, until the worker reads them (`end`)
@@ -174,12 +185,13 @@ class InBlocks:
         self.stalls = 0  # steps in a row that scheduled nothing while nothing ran (`watch`)
         self.spills = 0  # snapshots swapped out of the pool for a waiting request
         self.proxy = None  # `replay.ReplayProxy`: the capturable part run as a replayed graph would
+        self.table = StatTable(rows, span)  # H2O's statistic of rows up to S = span slots, kept in the forward
 
     # ------------------------------------------------------------------ admission and snapshots
 
     @torch.inference_mode()
     def take_row(self) -> int:
-        if not self.window:
+        if not self.window and not self.table.span:
             return 0
         if not self.free_rows:
             raise RuntimeError(f"more than {self.rows} evicted requests at once in this vLLM worker "
@@ -187,6 +199,7 @@ class InBlocks:
         row = self.free_rows.pop()
         for ring in self.ring:
             ring[row].zero_()
+        self.table.clear_row(row)
         return row
 
     @torch.inference_mode()
@@ -208,19 +221,26 @@ class InBlocks:
             raise RuntimeError("an evicted request without a snapshot starts at its first token")
         r = Resident(evictor, int(spec["rng_key"]), int(spec["n_protected"]), spec.get("save_as"), self.take_row(),
                      int(spec["first"]))
-        capacity = evictor.trigger + 1 if evictor.bounded else 0
         if evictor.observes_attention:
             if not evictor.bounded:
                 raise RuntimeError("an unbounded evictor that observes attention cannot live in vLLM's blocks")
-            r.stats = [torch.zeros(kv_heads, capacity) for _ in range(layers)]
+            if not kept_in_table(evictor):
+                r.stats = [torch.zeros(kv_heads, evictor.trigger + 1) for _ in range(layers)]
+            elif not r.row or evictor.trigger > self.table.span:
+                raise RuntimeError(f"H2O's statistic of a row compacted at {evictor.trigger} slots: past the table's "
+                                   f"{self.table.span} (KVFLOW_VLLM_STAT_SPAN)")
         if base is not None:
             r.phys, r.written, r.compactions = base.phys, base.written, base.compactions
             r.restore = ("blocks", [b.block_id for b in base.blocks]) if base.data is None else ("data", base.data)
             if base.ring is not None and r.row:
                 for ring, part in zip(self.ring, base.ring):
                     ring[r.row].copy_(part)
-            if base.stats is not None and r.stats is not None:
-                r.stats = [s.clone() for s in base.stats]
+            mine = self.stats_of(r)
+            if base.stats is not None and mine is not None:
+                for dst, src in zip(mine, base.stats):
+                    w = min(dst.shape[-1], src.shape[-1])
+                    dst.zero_()
+                    dst[:, :w] = src[:, :w].to(dst.device)
         self.live[rid] = r
 
     def drop(self, snap: str) -> None:
@@ -250,7 +270,14 @@ class InBlocks:
             k, v = paged.read(layer, blocks, offsets)
             keys.append(k.float().tolist())
             values.append(v.float().tolist())
-        return {"keys": keys, "values": values, "compactions": s.compactions}
+        stats = [x[:, : s.phys].float().tolist() for x in s.stats] if s.stats is not None else None
+        return {"keys": keys, "values": values, "compactions": s.compactions, "stats": stats}
+
+    def stats_of(self, r: Resident) -> Optional[list]:
+        """The request's statistic per layer ([kv_heads, width] views), or None (its evictor observes nothing)."""
+        if kept_in_table(r.evictor):
+            return self.table.row(r.row)
+        return r.stats
 
     def _release_row(self, r: Resident) -> None:
         if r.row:
@@ -324,8 +351,9 @@ class InBlocks:
             for b in blocks:
                 b.ref_cnt += 1  # the snapshot's reference: vLLM's free leaves these blocks taken
             ring = [ring[r.row].clone() for ring in self.ring] if r.row else None
+            stats = self.stats_of(r)
             self.snapshots[r.save_as] = Snapshot(blocks, data, r.phys, r.next, r.written, r.compactions, ring,
-                                                 [s.clone() for s in r.stats] if r.stats else None)
+                                                 [s.clone() for s in stats] if stats else None)
         self._release_row(r)
         self.ended[rid] = r
 
@@ -374,6 +402,7 @@ class InBlocks:
             self.last_tokens = 0
         shift = [0] * n
         rows, poss, at = [], [], []
+        observed = []  # the step's one-token rows whose statistic the table keeps (`statistic.StatTable.fill`)
         slot_tokens, slot_rows, slot_phys = [], [], []  # each evicted token: its index, batch row, physical slot
         for i, rid in enumerate(batch.req_ids[:n]):
             r = self.live.get(rid)
@@ -391,10 +420,14 @@ class InBlocks:
                 at.append(torch.arange(first, b))
                 rows.append(torch.full_like(j, r.row))
                 poss.append((r.written + j) % self.window)
+            if b - a == 1 and r.error is None and kept_in_table(r.evictor):
+                observed.append((a, r.row, r.phys + 1, self._ids(rid)))
             slot_tokens.append(torch.arange(a, b))
             slot_rows.append(torch.full((b - a,), i))
             slot_phys.append(torch.arange(r.phys, r.phys + b - a))
             self.plan.append((rid, r, a, b, r.phys))
+        if self.table.stats:
+            self.table.fill(observed, self.block_size)
         if not self.plan:
             return
         if at:
@@ -414,9 +447,13 @@ class InBlocks:
             row_d, phys_d = row.to(bt.device), phys.to(bt.device)
             slots[tokens.to(slots.device)] = (bt[row_d, phys_d // bs].long() * bs + phys_d % bs).to(slots.dtype)
 
-    def ensure_ring(self, layers: int, q_heads: int, head_dim: int, dtype, device) -> None:
-        """The ring and the token map exist (made at vLLM's first forward: its profiling run,
-        before any graph is captured; a graph holds them as static buffers)."""
+    def ensure_tables(self, layers: int, q_heads: int, kv_heads: int, head_dim: int, dtype, device) -> None:
+        """The ring, the token map and the statistic's table exist (made before vLLM profiles
+        its memory, before any graph is captured; a graph holds them as static buffers)."""
+        if self.table.span and not self.table.stats:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("kvflow's statistic table must exist before vLLM captures a CUDA graph")
+            self.table.make(layers, kv_heads, device)
         if self.window and not self.ring:
             if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("kvflow's query ring must exist before vLLM captures a CUDA graph")
@@ -439,16 +476,27 @@ class InBlocks:
                 self.proxy.run(lid, lambda q: self.write_ring(lid, q), query)
             else:
                 self.write_ring(lid, query)
-        for rid, r, a, b, p0 in self.plan:  # evictors that observe attention: their own observe(), per row (eager)
-            if r.stats is None or r.error:
+        if self.table.stats:  # H2O's statistic of the step's one-token rows (capturable)
+            heads, scale = impl.num_heads, impl.scale
+            if self.proxy is not None:
+                self.proxy.run(("stat", lid), lambda q: self.table.accumulate(lid, q, self.paged, heads, scale), query,
+                               self.table.as_at_capture)
+            else:
+                self.table.accumulate(lid, query, self.paged, heads, scale)
+        for rid, r, a, b, p0 in self.plan:  # observing rows not in the table's entries: eager, per row
+            table = kept_in_table(r.evictor)
+            if r.error or not r.evictor.observes_attention or (table and b - a == 1):
                 continue
             n = b - a
             span = p0 + n
             blocks, offsets = self._slots(self._ids(rid), span)
-            keys, _ = self.paged.read(lid, blocks, offsets)
-            q = query[a:b].reshape(n, impl.num_heads, impl.head_size).transpose(0, 1)[None]  # [1, Hq, n, D]
+            keys, _ = self.paged.read(lid, blocks, offsets)  # [Hkv, span, D]
+            q = query[a:b].reshape(n, impl.num_heads, impl.head_size).transpose(0, 1)  # [Hq, n, D]
+            if table:  # a prompt or chunk: its queries together, causally (`hf` observes a prefill so)
+                self.table.observe_row(lid, r.row, q, keys, p0, impl.scale)
+                continue
             mask = torch.arange(span)[None, None, :] <= (p0 + torch.arange(n))[None, :, None]  # [1, n, span]
-            r.evictor.observe(r.stats[lid][None, :, :span], q, keys[None], mask.to(q.device), layer_idx=lid,
+            r.evictor.observe(r.stats[lid][None, :, :span], q[None], keys[None], mask.to(q.device), layer_idx=lid,
                               scaling=impl.scale)
 
     @torch.inference_mode()
@@ -464,6 +512,8 @@ class InBlocks:
                 due.setdefault((id(ev), r.phys), []).append((rid, r))
         for group in due.values():
             self.compact(group)
+        if self.table.entries:  # no entry outlives its forward (a replayed graph reads them all)
+            self.table.fill([], self.block_size)
 
     #: steps in a row that schedule nothing, nothing running, before waiting evicted requests fail
     STALL_STEPS = 64
@@ -517,7 +567,8 @@ class InBlocks:
             keys = k.unflatten(1, (rows, n)).transpose(0, 1)  # [rows, kv_heads, n, D]
             values = v.unflatten(1, (rows, n)).transpose(0, 1)
             window = torch.cat([self.window_of(r, lid) for r in rs]) if ev.query_window else None  # [rows, Hq, W, D]
-            stats = torch.stack([r.stats[lid][:, :n] for r in rs]) if rs[0].stats is not None else None
+            own = [self.stats_of(r) for r in rs] if ev.observes_attention else None
+            stats = torch.stack([x[lid][:, :n] for x in own]) if own else None  # [rows, kv_heads, n]
             keep = ev.select(keys, values, window, layer_idx=lid, lengths=lengths, n_protected=protected,
                              generators=gens, stats=stats)  # [rows, kv_heads, budget]
             idx = keep.to(keys.device)[..., None]
@@ -526,10 +577,10 @@ class InBlocks:
                              keys.gather(2, idx.expand(-1, -1, -1, d)).transpose(0, 1).flatten(1, 2),
                              values.gather(2, idx.expand(-1, -1, -1, values.shape[-1])).transpose(0, 1).flatten(1, 2))
             if stats is not None:
-                for i, r in enumerate(rs):
-                    new = torch.zeros_like(r.stats[lid])
-                    new[:, :budget] = stats[i].gather(1, keep[i])
-                    r.stats[lid] = new
+                for i, x in enumerate(own):
+                    kept = stats[i].gather(1, keep[i].to(stats.device))
+                    x[lid].zero_()
+                    x[lid][:, :budget] = kept
         for rid, r in group:
             r.phys = budget
             r.compactions += 1

@@ -29,8 +29,9 @@ Seams (no vLLM file is changed):
 
 Engine-wide settings (the worker's environment): `KVFLOW_VLLM_QUERY_WINDOW` (W, default 32: the
 longest query window an evictor may read; the ring holds W queries per row and layer),
-`KVFLOW_VLLM_EVICTED_ROWS` (E, default 64: evicted requests admitted at once), and
-`KVFLOW_VLLM_REPLAY_PROXY=1` (`replay.py`).
+`KVFLOW_VLLM_EVICTED_ROWS` (E, default 64: evicted requests admitted at once),
+`KVFLOW_VLLM_STAT_SPAN` (S, default 512: the longest row whose H2O statistic the table keeps,
+`statistic.py`), and `KVFLOW_VLLM_REPLAY_PROXY=1` (`replay.py`).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import torch
 from kvflow.backends.vllm.in_worker.beside import Beside, EvictedRequestError
 from kvflow.backends.vllm.in_worker.blocks import InBlocks, Paged
 from kvflow.backends.vllm.in_worker.replay import proxy_from_env
+from kvflow.backends.vllm.in_worker.statistic import kept_in_table, span_from_env
 
 __all__ = ["EvictedRequestError", "RUNTIME", "Runtime", "register"]
 
@@ -57,8 +59,9 @@ class Runtime:
 
     def __init__(self) -> None:
         self.blocks = InBlocks(int(os.environ.get("KVFLOW_VLLM_QUERY_WINDOW", "32") or 32),
-                               int(os.environ.get("KVFLOW_VLLM_EVICTED_ROWS", "64") or 64))
+                               int(os.environ.get("KVFLOW_VLLM_EVICTED_ROWS", "64") or 64), span_from_env())
         self.blocks.proxy = proxy_from_env()
+        self.blocks.table.fixed = self.blocks.proxy is not None
         self.beside = Beside()
         self.installed = False
         self.told: dict = {}  # the worker's own counters as the last end message told them
@@ -66,6 +69,7 @@ class Runtime:
         self.backend = ""  # the attention backend vLLM picked
         self.device = "cpu"
         self.graphs = False  # vLLM replays CUDA graphs of the forward
+        self.mixed_graphs = False  # ... of batches with prompts or chunks too (cudagraph_mode FULL)
         self.problem: Optional[str] = None  # why no evicted request can run on this engine
         self._evictors: dict[str, Any] = {}
 
@@ -96,7 +100,14 @@ class Runtime:
         if ev.query_window > self.blocks.window:
             return (f"its query window {ev.query_window} is past this engine's {self.blocks.window} "
                     "(KVFLOW_VLLM_QUERY_WINDOW in the environment of kvflow's process)")
-        if ev.observes_attention and (self.graphs or self.blocks.proxy is not None):
+        if ev.observes_attention and kept_in_table(ev) and ev.trigger > self.blocks.table.span:
+            return (f"H2O's statistic of a request compacted at {ev.trigger} slots is past this engine's table of "
+                    f"{self.blocks.table.span} (KVFLOW_VLLM_STAT_SPAN in the environment of kvflow's process)")
+        if ev.observes_attention and kept_in_table(ev) and self.mixed_graphs:
+            return ("vLLM replays batches with prompts from full CUDA graphs here (cudagraph_mode FULL), where kvflow "
+                    "observes a prompt's H2O statistic eagerly: set `engine: {compilation_config: {cudagraph_mode: "
+                    "FULL_AND_PIECEWISE}}` on this model entry")
+        if ev.observes_attention and not kept_in_table(ev) and (self.graphs or self.blocks.proxy is not None):
             return ("it observes attention with its own observe(), which kvflow runs per request in Python, and this "
                     "engine replays graphs: set `engine: {enforce_eager: true}` on this model entry")
         return None
@@ -155,12 +166,13 @@ class Runtime:
 
     # ------------------------------------------------------------------ engine hooks
 
-    def make_ring(self, runner) -> None:
-        """Before vLLM profiles its memory or makes its KV cache (`_hook_kv_cache_init`): the query ring exists."""
+    def make_tables(self, runner) -> None:
+        """Before vLLM profiles its memory or makes its KV cache (`_hook_kv_cache_init`): the
+        query ring and the statistic's table exist."""
         mc = runner.model_config
-        q_heads = mc.get_num_attention_heads(runner.parallel_config)
-        self.blocks.ensure_ring(mc.hf_config.num_hidden_layers, q_heads, mc.get_head_size(), mc.dtype,
-                                torch.device(runner.device))
+        self.blocks.ensure_tables(mc.hf_config.num_hidden_layers, mc.get_num_attention_heads(runner.parallel_config),
+                                  mc.get_num_kv_heads(runner.parallel_config), mc.get_head_size(), mc.dtype,
+                                  torch.device(runner.device))
 
     def install(self, engine) -> None:
         """Hook the in-process engine: its model runner and its scheduler's KV cache manager."""
@@ -172,6 +184,8 @@ class Runtime:
         self.device = str(config.device_config.device_type)
         mode = getattr(config.compilation_config, "cudagraph_mode", None)
         self.graphs = self.device == "cuda" and mode is not None and str(getattr(mode, "name", mode)) != "NONE"
+        self.mixed_graphs = self.graphs and str(getattr(mode, "name", mode)) == "FULL"
+        self.blocks.table.fixed = self.graphs or self.blocks.proxy is not None  # a replayed graph reads every entry
         attn = {name: layer for name, layer in config.compilation_config.static_forward_context.items()
                 if hasattr(layer, "impl")}
         impls = {type(layer.impl).__name__ for layer in attn.values()}
@@ -325,7 +339,7 @@ def _backend_class(base_path: str):
     impl_base = base.get_impl_cls()
 
     class EvictingImpl(impl_base):
-        """vLLM's attention, then kvflow's part: the query ring, evictors' own observe(), the
+        """vLLM's attention, then kvflow's part: the query ring, H2O's statistic, evictors' own observe(), the
         rows of requests beside vLLM's blocks."""
 
         def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None, **kwargs):
@@ -388,7 +402,7 @@ def _hook_kv_cache_init() -> None:
 
             def hooked(self, *args, _original=original, **kwargs):
                 if RUNTIME is not None:
-                    RUNTIME.make_ring(self)
+                    RUNTIME.make_tables(self)
                 return _original(self, *args, **kwargs)
 
             hooked._kvflow = True

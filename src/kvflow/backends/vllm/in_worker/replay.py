@@ -4,17 +4,19 @@ On a GPU, vLLM captures the decode forward in CUDA graphs at engine start (its d
 no kvflow request) and replays them afterwards: the Python of kvflow's attention hook then runs
 once per captured size, never again. On a CPU vLLM captures nothing, so a hook that decides in
 Python which tokens are kvflow's would pass every CPU test and be silently wrong on a GPU. Under
-this proxy the capturable part of the hook (`blocks.InBlocks.write_ring`) runs as a replayed
-graph: traced once per (layer, token-count bucket) with `make_fx` while kvflow's Python state is
-as at capture (no plan, no evicted row), then only the trace runs, on its inputs padded to the
+this proxy the capturable part of the hook (`blocks.InBlocks.write_ring`, H2O's statistic
+`statistic.StatTable.accumulate`) runs as a replayed graph: traced once per (op, layer,
+token-count bucket) with `make_fx` while kvflow's Python state is as at capture (no plan, no
+evicted row: `capturing()`; tracing runs the ops, as capturing does not), then only the trace runs, on its inputs padded to the
 bucket (as vLLM pads to its capture sizes), on the same table tensors (a trace holds them by
 reference, as a graph holds its static buffers). A host sync in the hook fails the trace as it
 fails a capture. The buckets are vLLM's default capture sizes (1, 2, 4, then multiples of 8 up
 to 512); larger steps run eagerly, as vLLM runs them without a graph.
 
 The rest of kvflow's work on vLLM is host side between forwards (metadata written into vLLM's
-persistent buffers, compaction) or refused under graphs (an evictor's own `observe()`, budgets
-that vary by head or layer): `evict.Runtime.refusal`.
+persistent buffers, compaction), eager by vLLM's own choice (a row's several tokens in one
+step: a prompt or chunk, which vLLM never replays from a full graph), or refused under graphs
+(an evictor's own `observe()`, budgets that vary by head or layer): `evict.Runtime.refusal`.
 """
 
 from __future__ import annotations
