@@ -4,7 +4,7 @@ For evicted requests in vLLM's blocks (`kvflow.backends.vllm.in_worker.blocks`),
 kernel attends every row; kvflow adds, inside the forward, the query ring write
 (`InBlocks.write_ring`: each token's post-RoPE query into its request's ring row) and, for H2O,
 its statistic (`statistic.StatTable.accumulate`: every row's slots read, softmaxed and summed,
-as a replayed graph runs it: all E rows over S slots, here E = the batch, S = budget + buffer,
+as a replayed graph runs it: one entry per token of the batch over S = budget + buffer slots,
 the smallest `KVFLOW_VLLM_STAT_SPAN` that serves it). Per
 evictor (rkv, snapkv, h2o at the paper's B = 64, buffer 128), model shape (Qwen2.5-7B; 1.5B;
 72B per rank at tp 4) and batch, this counts the bytes those ops read and write in one decode

@@ -21,8 +21,9 @@ row observed: an H2O request compacts at `trigger` <= S). The host writes the en
 step's one-token rows (decode) before the forward (`fill`, from `blocks.InBlocks.prepared`);
 a row with several tokens in one step (a prompt, a chunk) is observed eagerly, its queries
 together under the causal mask (`observe_row`), as `hf` observes a prefill, which vLLM never
-replays from a graph. With `fixed` set (vLLM replays graphs, or the replay proxy), every forward
-reads all E + 1 entries over S slots; eagerly only the step's entries over their longest row.
+replays from a graph. With `fixed` set (vLLM replays graphs, or the replay proxy), a forward of T
+tokens (a captured size) reads its first min(T, E + 1) entries over S slots (each entry is a
+token of the step, packed first); eagerly only the step's entries over their longest row.
 
 The math is H2O's own `observe()` (float32 logits, softmax, sum over the group's heads), so a
 request's statistic, and the slots it keeps, are those of the `hf` cache.
@@ -155,8 +156,8 @@ class StatTable:
 
     def accumulate(self, lid: int, query: torch.Tensor, paged, q_heads: int, scaling: float) -> None:
         """The step's one-token rows, one layer: the same ops for any batch when `fixed` (capturable)."""
-        if self.fixed:
-            m, s = self.rows + 1, self.span
+        if self.fixed:  # entries are tokens of the step: a graph of T tokens reads its first T
+            m, s = min(query.shape[0], self.rows + 1), self.span
         else:
             m, s = self.entries, self.longest
             if not m:
