@@ -33,8 +33,9 @@
 #                                      # 64 + 128) vs full KV on vLLM with CUDA graphs, 7B-shaped random weights,
 #                                      # N = 8, ample and tight KV memory (bench/vllm_evicted.py; where vLLM is
 #                                      # importable: the lent image had none, and its wheel is past what a session carries)
-#   bash bench/gpu_check.sh vllm_graphs  # issue 46, under a minute, no vLLM needed: the query ring write captured in a
-#                                      # real CUDA graph with no kvflow request, replayed on new token maps, vs eager
+#   bash bench/gpu_check.sh vllm_graphs  # issue 46, under a minute, no vLLM needed: the query ring write and H2O's
+#                                      # statistic captured in a real CUDA graph with no kvflow request, replayed on
+#                                      # new token maps and statistic entries, vs eager
 # SGLang part (issue 16; runs only where SGLang 0.5.23 is importable, which the lent machine's
 # image was not): a random-weight Qwen2.5-Math-7B-shaped checkpoint on disk, evicted (R-KV,
 # B=64 + 128) vs full-KV decoding on SGLang at equal batch (N = 8) and growing output lengths:
@@ -126,7 +127,7 @@ vllm_part() {  # issue 46: evicted requests in vLLM's blocks on CUDA (graphs and
     --engines vllm --device cuda --model "$dir" --dtype bfloat16 --n 8 --lengths 512,1024,2048 --evictor rkv \
     --budget 64 --buffer 128 --memory ample,tight --tight-tokens 16384 --out "${OUT:-.}/gpu_vllm_evicted.json"
 }
-vllm_graphs_part() {  # issue 46: kvflow's op inside vLLM's forward (the query ring write) under torch.cuda.graph, no vLLM
+vllm_graphs_part() {  # issue 46: kvflow's ops inside vLLM's forward (the query ring write, H2O's statistic) under torch.cuda.graph, no vLLM
   PYTHONPATH="src:plugins:${PYTHONPATH:-}" timeout 120 ${PYTHON:-python3} bench/vllm_graph_capture.py --bs 64 \
     | tee "${OUT:-.}/gpu_vllm_graph_capture.json"
 }

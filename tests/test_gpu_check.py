@@ -48,10 +48,12 @@ def test_a_part_skipped_on_purpose_passes_and_says_so(tmp_path, part):
 
 def test_the_vllm_graph_check_runs_its_comparison_on_a_cpu():
     """bench/vllm_graph_capture.py --cpu: the GPU script's own logic (capture with no kvflow
-    request, token maps written after, replayed vs eager), make_fx standing in for the graph."""
+    request, token maps and H2O's statistic entries written after, replayed vs eager), make_fx
+    standing in for the graph."""
     done = subprocess.run([sys.executable, str(REPO / "bench/vllm_graph_capture.py"), "--cpu", "--bs", "16",
                            "--layers", "2"], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": f"{REPO / 'src'}:{REPO / 'plugins'}"})
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["ring_same_as_eager"] and result["ring_slots_written"] > 0
+    assert result["statistic_same_as_eager"] and result["statistic_rows_observed"] > 0
