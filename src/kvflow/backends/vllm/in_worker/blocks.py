@@ -107,6 +107,10 @@ class Paged:
     def __init__(self, caches: list, layout: str, block_size: int, maps=None) -> None:
         self.caches, self.layout, self.block_size = caches, layout, block_size
         self.kmap, self.vmap = maps if maps is not None else (None, None)  # [block_size, D] int64 each
+        # "cpu": each region's tiling as axes of (slot, dim) (`tiling`), so that compaction reads
+        # whole blocks and untiles them with strided copies; None where a map is no such tiling
+        tilings = [tiling(m) for m in (self.kmap, self.vmap)] if self.kmap is not None else [None, None]
+        self.tilings = tilings if all(tilings) else None
 
     def _regions(self, layer: int):
         """(keys, values) of a layer: [blocks, kv_heads, block_size * D] (cpu) or [blocks, kv_heads, block_size, D] views."""
@@ -144,6 +148,51 @@ class Paged:
         k[blocks, :, offsets] = keys.transpose(0, 1).to(k.dtype)
         v[blocks, :, offsets] = values.transpose(0, 1).to(v.dtype)
 
+    def read_rows(self, layer: int, ids: torch.Tensor, n: int):
+        """Rows' first n slots, each row's in its blocks ids [rows, nb] (whole blocks gathered at
+        once, untiled by one strided copy): keys, values [rows, kv_heads, n, D] each."""
+        kv = self.caches[layer]
+        rows, nb = ids.shape
+        _, h, bs, d2 = kv.shape
+        if self.layout == "cpu" and self.tilings is None:  # slot by slot
+            j = torch.arange(n, device=kv.device)
+            k, v = self.read(layer, ids[:, j // bs].reshape(-1), (j % bs).repeat(rows))
+            return k.unflatten(1, (rows, n)).transpose(0, 1), v.unflatten(1, (rows, n)).transpose(0, 1)
+        blocks = kv.index_select(0, ids.reshape(-1)).view(rows, nb, h, bs * d2)  # [rows, nb, h, block content]
+        out = []
+        for part in range(2):
+            if self.layout == "cpu":
+                region = blocks[..., part * bs * d2 // 2: (part + 1) * bs * d2 // 2]  # [rows, nb, h, bs * D]
+                sizes, perm = self.tilings[part]
+                grid = region.unflatten(-1, sizes).permute(0, 2, 1, *(3 + p for p in perm))  # [rows, h, nb, A, B, C, E]
+            else:
+                grid = blocks.view(rows, nb, h, bs, 2, d2 // 2)[:, :, :, :, part].transpose(1, 2)  # [rows, h, nb, bs, D]
+            out.append(grid.reshape(rows, h, nb * bs, d2 // 2)[:, :, :n])
+        return out[0], out[1]
+
+    def write_rows(self, layer: int, ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """keys, values [rows, kv_heads, m, D] into each row's first m slots, its blocks ids [rows,
+        ceil(m / block_size)]: "split", whole blocks (slots past m, past the row's length, get
+        zeros); "cpu", one scatter per region over the flat cache (measured faster there than the
+        tiles' strided copies or a (block, slot) index)."""
+        kv = self.caches[layer]
+        rows, nb = ids.shape
+        _, h, bs, d2 = kv.shape
+        m, d = keys.shape[2], d2 // 2
+        if self.layout == "cpu":
+            j = torch.arange(m, device=kv.device)
+            flat = kv.view(-1)
+            base = (ids[:, j // bs] * (h * bs * d2))[:, None, :, None] \
+                + (torch.arange(h, device=kv.device) * (bs * d2))[None, :, None, None]  # [rows, h, m, 1]
+            flat[(base + self.kmap[j % bs][None, None]).flatten()] = keys.to(kv.dtype).flatten()
+            flat[(base + (self.vmap[j % bs] + bs * d)[None, None]).flatten()] = values.to(kv.dtype).flatten()
+            return
+        blocks = torch.zeros(rows, nb, h, bs, 2, d, dtype=kv.dtype, device=kv.device)
+        for part, x in enumerate((keys, values)):
+            x = torch.nn.functional.pad(x, (0, 0, 0, nb * bs - m)).view(rows, h, nb, bs, d)  # [rows, h, nb, bs, D]
+            blocks[..., part, :].copy_(x.transpose(1, 2))
+        kv.index_copy_(0, ids.reshape(-1), blocks.view(rows * nb, h, bs, d2).to(kv.dtype))
+
     def read_blocks(self, ids: list[int]) -> list:
         """These blocks' content per layer, in host memory (outside the pool: what a swap holds)."""
         index = torch.tensor(ids, dtype=torch.int64, device=self.caches[0].device)
@@ -163,6 +212,29 @@ class Paged:
         d = torch.tensor(dst, dtype=torch.int64, device=self.caches[0].device)
         for kv in self.caches:
             kv.index_copy_(0, d, kv.index_select(0, s))
+
+
+def tiling(where: torch.Tensor):
+    """A region's layout as a tiling of (slot, dim), or None: `where` [block_size, D] gives each
+    (slot, dim)'s place. A tiling splits slot t into (A, B) = (t // T, t % T) and dim d into
+    (C, E) = (d // P, d % P) and lays the four axes out in some order (vLLM's CPU kernels: AMX's
+    VNNI tiles, AVX-512's). Returns (the axes' sizes in layout order, the layout position of
+    each logical axis A, B, C, E), such that region.unflatten(-1, sizes).permute(...) untiles."""
+    import itertools
+
+    bs, d = where.shape
+    t, dim = torch.arange(bs)[:, None], torch.arange(d)[None, :]
+    for tt in [x for x in range(1, bs + 1) if bs % x == 0]:
+        for p in [x for x in range(1, d + 1) if d % x == 0]:
+            digits = [(t // tt, bs // tt), (t % tt, tt), (dim // p, d // p), (dim % p, p)]  # A, B, C, E
+            for order in itertools.permutations(range(4)):
+                pos = torch.zeros(bs, d, dtype=torch.int64)
+                for axis in order:
+                    value, size = digits[axis]
+                    pos = pos * size + value
+                if torch.equal(pos, where.cpu()):
+                    return tuple(digits[a][1] for a in order), tuple(order.index(a) for a in range(4))
+    return None
 
 
 class InBlocks:
@@ -397,9 +469,6 @@ class InBlocks:
         if self.window and (self.tok_row is None or qsl[-1] > self.tok_row.shape[0]):
             raise RuntimeError(f"a step of {qsl[-1]} tokens, past the query ring's token map "
                                f"({0 if self.tok_row is None else self.tok_row.shape[0]}: KVFLOW_VLLM_STEP_TOKENS)")
-        if self.last_tokens:
-            self.tok_row[: self.last_tokens].zero_()
-            self.last_tokens = 0
         shift = [0] * n
         rows, poss, at = [], [], []
         observed = []  # the step's one-token rows whose statistic the table keeps (`statistic.StatTable.fill`)
@@ -414,8 +483,10 @@ class InBlocks:
                 r.error = (f"vLLM ran tokens {start}.. of an evicted request whose KV ends at token {r.next}: "
                            "kvflow cannot follow")
             shift[i] = start - r.phys
-            if r.row and self.window:
-                first = max(a, b - self.window)  # only the last W queries of the step reach the ring
+            w = r.evictor.query_window if r.evictor.bounded else 0
+            # only the queries its next compaction reads reach the ring: the last w before `trigger`
+            first = max(a, b - self.window, a + r.evictor.trigger - w - r.phys) if w else b
+            if r.row and self.window and first < b:
                 j = torch.arange(first - a, b - a)
                 at.append(torch.arange(first, b))
                 rows.append(torch.full_like(j, r.row))
@@ -471,7 +542,7 @@ class InBlocks:
 
     def attended(self, impl, lid: int, query: torch.Tensor, layers: int) -> None:
         """kvflow's part of one layer's attention (after vLLM's kernel wrote and attended the step's KV)."""
-        if self.window and self.ring:
+        if self.window and self.ring and (self.last_tokens or self.table.fixed):  # eagerly: steps that write it
             if self.proxy is not None:
                 self.proxy.run(lid, lambda q: self.write_ring(lid, q), query)
             else:
@@ -512,7 +583,10 @@ class InBlocks:
                 due.setdefault((id(ev), r.phys), []).append((rid, r))
         for group in due.values():
             self.compact(group)
-        if self.table.entries:  # no entry outlives its forward (a replayed graph reads them all)
+        if self.last_tokens:  # no token map or statistic entry outlives its forward (a replayed graph reads them)
+            self.tok_row[: self.last_tokens].zero_()
+            self.last_tokens = 0
+        if self.table.entries:
             self.table.fill([], self.block_size)
 
     #: steps in a row that schedule nothing, nothing running, before waiting evicted requests fail
@@ -556,26 +630,21 @@ class InBlocks:
         rs = [r for _, r in group]
         ev, n, rows = rs[0].evictor, rs[0].phys, len(group)
         budget = ev.params.budget
-        where = [self._slots(self._ids(rid), n) for rid, _ in group]
-        blocks, offsets = torch.cat([w[0] for w in where]), torch.cat([w[1] for w in where])  # [rows * n]
-        kept_blocks = torch.cat([w[0][:budget] for w in where])
-        kept_offsets = torch.cat([w[1][:budget] for w in where])
+        dev = self.paged.caches[0].device
+        ids = torch.tensor([self._ids(rid)[: math.ceil(n / self.block_size)] for rid, _ in group], device=dev)
+        kept_ids = ids[:, : math.ceil(budget / self.block_size)]  # [rows, blocks budget slots need]
         gens = [torch.Generator().manual_seed((r.rng_key * 1_000_003 + r.compactions) % 2**63) for r in rs]
         lengths, protected = torch.full((rows,), n), torch.tensor([r.n_protected for r in rs])
         for lid in range(len(self.paged.caches)):
-            k, v = self.paged.read(lid, blocks, offsets)  # [kv_heads, rows * n, D]
-            keys = k.unflatten(1, (rows, n)).transpose(0, 1)  # [rows, kv_heads, n, D]
-            values = v.unflatten(1, (rows, n)).transpose(0, 1)
+            keys, values = self.paged.read_rows(lid, ids, n)  # [rows, kv_heads, n, D]
             window = torch.cat([self.window_of(r, lid) for r in rs]) if ev.query_window else None  # [rows, Hq, W, D]
             own = [self.stats_of(r) for r in rs] if ev.observes_attention else None
             stats = torch.stack([x[lid][:, :n] for x in own]) if own else None  # [rows, kv_heads, n]
             keep = ev.select(keys, values, window, layer_idx=lid, lengths=lengths, n_protected=protected,
                              generators=gens, stats=stats)  # [rows, kv_heads, budget]
             idx = keep.to(keys.device)[..., None]
-            d = keys.shape[-1]
-            self.paged.write(lid, kept_blocks, kept_offsets,
-                             keys.gather(2, idx.expand(-1, -1, -1, d)).transpose(0, 1).flatten(1, 2),
-                             values.gather(2, idx.expand(-1, -1, -1, values.shape[-1])).transpose(0, 1).flatten(1, 2))
+            self.paged.write_rows(lid, kept_ids, keys.gather(2, idx.expand(-1, -1, -1, keys.shape[-1])),
+                                  values.gather(2, idx.expand(-1, -1, -1, values.shape[-1])))
             if stats is not None:
                 for i, x in enumerate(own):
                     kept = stats[i].gather(1, keep[i].to(stats.device))
