@@ -615,13 +615,16 @@ class InBlocks:
         dev = device if device is not None else self.paged.caches[0].device
         return torch.tensor(ids, dtype=torch.int64)[j // self.block_size].to(dev), (j % self.block_size).to(dev)
 
-    def window_of(self, r: Resident, lid: int) -> Optional[torch.Tensor]:
-        """The request's last W queries of a layer, oldest first, zeros before the first: [1, q_heads, W, D]."""
-        w = r.evictor.query_window
+    def windows(self, rs: list[Resident]):
+        """Where the requests' last W queries sit in the ring, oldest first (a position past what
+        a request wrote holds zeros): (ring rows [rows, 1], positions [rows, W]), or None (W = 0)."""
+        w = rs[0].evictor.query_window
         if not w:
             return None
-        pos = (r.written - w + torch.arange(w)) % self.window
-        return self.ring[lid][r.row, pos.to(self.ring[lid].device)].transpose(0, 1)[None]
+        dev = self.ring[0].device
+        rows = torch.tensor([r.row for r in rs], device=dev)[:, None]
+        pos = (torch.tensor([r.written for r in rs])[:, None] - w + torch.arange(w)[None, :]) % self.window
+        return rows, pos.to(dev)
 
     def compact(self, group: list[tuple[str, Resident]]) -> None:
         """Evict requests of one evictor holding the same slot count down to `budget` slots per
@@ -634,10 +637,11 @@ class InBlocks:
         ids = torch.tensor([self._ids(rid)[: math.ceil(n / self.block_size)] for rid, _ in group], device=dev)
         kept_ids = ids[:, : math.ceil(budget / self.block_size)]  # [rows, blocks budget slots need]
         gens = [torch.Generator().manual_seed((r.rng_key * 1_000_003 + r.compactions) % 2**63) for r in rs]
+        at = self.windows(rs)  # the query window's place in the ring
         lengths, protected = torch.full((rows,), n), torch.tensor([r.n_protected for r in rs])
         for lid in range(len(self.paged.caches)):
             keys, values = self.paged.read_rows(lid, ids, n)  # [rows, kv_heads, n, D]
-            window = torch.cat([self.window_of(r, lid) for r in rs]) if ev.query_window else None  # [rows, Hq, W, D]
+            window = self.ring[lid][at].transpose(1, 2) if at is not None else None  # [rows, Hq, W, D]
             own = [self.stats_of(r) for r in rs] if ev.observes_attention else None
             stats = torch.stack([x[lid][:, :n] for x in own]) if own else None  # [rows, kv_heads, n]
             keep = ev.select(keys, values, window, layer_idx=lid, lengths=lengths, n_protected=protected,
