@@ -11,7 +11,8 @@ vLLM's prefix cache share blocks, on a prompt longer than one KV block (128 toke
   compaction points) crosses a block a full-context request cached takes no cache hit (the
   evicted request's KV sees every token), and decodes and compacts as on `hf`;
 - evicted candidates take no block of vLLM's KV pool (a pool full-context ones fill), and those vLLM
-  preempts for full-context ones run again and decode as on `hf`.
+  preempts for full-context ones run again and decode as on `hf`;
+- H2O's statistic, kept in the forward by the worker's table, is `hf`'s slot for slot.
 
 Every test shares the vLLM worker of tests/test_vllm.py (`load_engine("vllm")`, one per process).
 """
