@@ -120,7 +120,6 @@ def check_evicting(model_cfg, params, evictor_cls=None) -> Optional[tuple[str, s
     `KVFLOW_VLLM_STAT_SPAN` slots; an evictor's own `observe()` runs per request in Python:
     eagerly; quantized KV storage is `hf`'s only. The worker checks again what vLLM resolved
     (`evict.Runtime.refusal`)."""
-    from kvflow.backends.vllm.in_worker.statistic import kept_in_table, span_from_env
     from kvflow.models.loading import resolve_device
 
     if getattr(params, "quantize", None):
@@ -139,10 +138,10 @@ def check_evicting(model_cfg, params, evictor_cls=None) -> Optional[tuple[str, s
         if (model_cfg.engine or {}).get("enforce_eager") is False:
             return ("engine.enforce_eager", "this evictor's budget varies by layer or head, which kvflow attends in "
                                             "Python beside vLLM's kernel: remove `enforce_eager: false`")
-    if ev.observes_attention and kept_in_table(ev) and ev.trigger > span_from_env():
+    if kept_in_table(ev) and ev.trigger > stat_span():
         return ("params.buffer", f"H2O's statistic of a request compacted at budget + buffer = {ev.trigger} slots is "
-                                 f"past the {span_from_env()} slots kvflow's vLLM worker keeps it for: set "
-                                 "KVFLOW_VLLM_STAT_SPAN in kvflow's environment, or lower budget + buffer")
+                                 f"past the {stat_span()} slots kvflow's vLLM worker keeps it for: set "
+                                 f"{STAT_SPAN_ENV} in kvflow's environment, or lower budget + buffer")
     if ev.observes_attention and not kept_in_table(ev) and not eager and device != "cpu":
         return ("engine.enforce_eager", "this evictor observes attention with its own observe(), which kvflow runs per "
                                         "request in Python, past vLLM's CUDA graphs: set `enforce_eager: true`")
@@ -151,6 +150,23 @@ def check_evicting(model_cfg, params, evictor_cls=None) -> Optional[tuple[str, s
 
 #: layers a model is assumed to have when asking an evictor whether its budget varies by layer
 VARIES_PROBE_LAYERS = 32
+
+#: the longest evicted row (`budget + buffer` slots) whose H2O statistic vLLM's worker keeps in
+#: its table (`in_worker/statistic.py`), read by both processes from kvflow's environment
+STAT_SPAN_ENV = "KVFLOW_VLLM_STAT_SPAN"
+DEFAULT_STAT_SPAN = 512
+
+
+def stat_span() -> int:
+    return int(os.environ.get(STAT_SPAN_ENV, str(DEFAULT_STAT_SPAN)) or DEFAULT_STAT_SPAN)
+
+
+def kept_in_table(evictor) -> bool:
+    """Does vLLM's worker keep this evictor's statistic in its table inside the forward (H2O's,
+    declared by `Evictor.observed_statistic`), rather than run its own `observe()` eagerly?"""
+    from kvflow.components.base import observed_statistic
+
+    return evictor.observes_attention and observed_statistic(evictor) == "accumulated_attention"
 
 
 def check_model(model_cfg) -> Optional[str]:

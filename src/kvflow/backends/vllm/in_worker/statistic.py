@@ -32,22 +32,12 @@ request's statistic, and the slots it keeps, are those of the `hf` cache.
 from __future__ import annotations
 
 import contextlib
-import os
+
 import torch
 
-from kvflow.components.base import observed_statistic
+from kvflow.backends.vllm.settings import kept_in_table, stat_span as span_from_env
 
-DEFAULT_SPAN = 512
-
-
-def kept_in_table(evictor) -> bool:
-    """Does kvflow compute this evictor's statistic in the forward (else its own `observe()` runs, eagerly)?"""
-    return evictor.observes_attention and observed_statistic(evictor) == "accumulated_attention"
-
-
-def span_from_env() -> int:
-    return int(os.environ.get("KVFLOW_VLLM_STAT_SPAN", str(DEFAULT_SPAN)) or DEFAULT_SPAN)
-
+__all__ = ["StatTable", "accumulated_attention", "decode_attention", "kept_in_table", "span_from_env"]
 
 _BMM_OUT_DTYPE = hasattr(torch.ops.aten.bmm, "dtype")  # bmm(..., out_dtype=) (CUDA and meta kernels; torch >= 2.8)
 
