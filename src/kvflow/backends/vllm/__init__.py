@@ -1,4 +1,4 @@
-"""The `vllm` backend: proposers (full-context, and evicted on a CPU) and the `likelihood`,
+"""The `vllm` backend: proposers (full-context and evicted) and the `likelihood`,
 `prm` and `llm_judge` scorers served by vLLM's engine, in vLLM's own environment.
 
 - `engine.py`    `VLLMEngine`: the served-engine core (`kvflow.backends.served`) with vLLM's requests;
@@ -8,10 +8,12 @@
 - `in_worker/`   what runs inside the worker process, in vLLM's environment: the worker (run by
                  its path; kvflow is imported from kvflow's import path) and kvflow's evicted
                  requests inside it (`evict.py`: uniform budgets in vLLM's own blocks, attended
-                 by vLLM's kernel, `blocks.py`; budgets varying by layer or head beside them, `beside.py`).
+                 by vLLM's kernel, `blocks.py`, H2O's statistic kept in the forward, `statistic.py`;
+                 budgets varying by layer or head beside them, `beside.py`; the graph-replay proxy, `replay.py`).
 
 Refused before anything loads (`check_evictor`): budgets varying by layer or head off a CPU or
-under graphs, an evictor's own `observe()` under CUDA graphs, quantized KV. Install: `scripts/install.sh vllm` (docs/backends.md, "vllm").
+under graphs, an evictor's own `observe()` under CUDA graphs, H2O past `KVFLOW_VLLM_STAT_SPAN`,
+quantized KV. Install: `scripts/install.sh vllm` (docs/backends.md, "vllm").
 """
 
 from __future__ import annotations
