@@ -14,7 +14,8 @@ ingesting candidate 0's text twice (another proposer's path). Compared with `hf`
 candidate's tokens and finish, log-probabilities within 1e-4, and the final state's kept keys
 and values per (layer, KV head) and its compaction count (`engine.kept_kv(state)`: keys[l][h]
 in time order, so budgets that vary by layer or head compare too, whatever each engine's
-layout).
+layout), and for an evictor that observes attention on an engine that shows it
+(`engine.kept_statistic(state)`: hf and vLLM), the kept slots' statistic within 1e-4.
 
 Ties that hold only in exact arithmetic (docs/components.md, "Ties": the key norms of one token
 at two positions) are broken by rounding, and another engine's kernels round differently (vLLM's
@@ -207,6 +208,13 @@ def assert_same_as_hf(backend: str, evictor: Any, tmp_dir: Path | None = None) -
         except AssertionError:
             if not (near_tie and near_tie[-1]):
                 raise
+        if evictor.observes_attention and hasattr(other, "kept_statistic") and not (near_tie and near_tie[-1]):
+            # the statistic itself (H2O's): kept keys alone can miss a wrong one, for a random
+            # model's accumulated attention ranks tokens by age whatever each step adds
+            for layer, (a, b) in enumerate(zip(other.kept_statistic(got_state), reference.kept_statistic(want_state),
+                                               strict=True)):
+                torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4,
+                                           msg=lambda m, layer=layer: f"layer {layer}'s kept statistic differs: {m}")
         other.release([got_state])
     finally:
         if hasattr(other, "dump_dir"):
