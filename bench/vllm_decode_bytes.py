@@ -28,6 +28,7 @@ import torch
 
 from kvflow.backends.sglang.in_worker.traffic import ByteCounter, attention_pass_bytes
 from kvflow.backends.vllm.in_worker.blocks import InBlocks, Paged, Resident
+from kvflow.backends.vllm.settings import kept_in_table
 from _common import machine_line  # noqa: E402 - bench/ is on sys.path
 
 SHAPES = {"qwen2.5-7b": (28, 28, 4, 128), "qwen2.5-1.5b": (28, 12, 2, 128), "qwen2.5-72b-tp4": (80, 16, 2, 128)}
@@ -56,7 +57,7 @@ def hook_bytes(ev, *, batch: int, phys: int, q_heads: int, kv_heads: int, head_d
 
     b.group = _Group
     for i in range(batch):
-        r = Resident(ev, 0, 0, None, i + 1, next=1000, phys=phys)
+        r = Resident(ev, 0, 0, None, i + 1, next=1000, phys=phys, in_table=kept_in_table(ev))  # as `admit` makes it
         b.live[str(i)] = r
         b.plan.append((str(i), r, i, i + 1, phys))
     q = torch.empty(batch, q_heads * head_dim, dtype=dtype, device=meta)

@@ -2,7 +2,7 @@
 
 Compaction reads the rows that compact together by whole blocks (`read_rows`: one gather of the
 blocks, untiled by strided copies) and writes their kept slots back (`write_rows`); both must
-agree slot for slot with the per-slot `read`/`write` for FLASH_ATTN's layout ("split"), vLLM's
+agree slot for slot with the per-slot `read` for FLASH_ATTN's layout ("split"), vLLM's
 CPU kernel's tiled layout (a VNNI-like tiling of slots and dims, found by `tiling`) and a CPU
 layout that is no tiling (a random permutation: the per-slot fallback). No vLLM needed.
 """

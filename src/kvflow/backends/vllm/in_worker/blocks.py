@@ -52,7 +52,8 @@ from typing import Any, Optional
 
 import torch
 
-from kvflow.backends.vllm.in_worker.statistic import StatTable, kept_in_table
+from kvflow.backends.vllm.in_worker.statistic import StatTable
+from kvflow.backends.vllm.settings import kept_in_table
 
 
 @dataclass
@@ -68,8 +69,8 @@ class Resident:
     phys: int = 0  # slots it holds per (layer, KV head)
     written: int = 0  # queries it wrote into the ring
     compactions: int = 0
+    in_table: bool = False  # its evictor's statistic (H2O's) lives in the worker's table, row `row`
     stats: Optional[list] = None  # an evictor's own observe(): per layer [kv_heads, trigger + 1] float32
-    # (H2O's declared statistic lives in the worker's table instead, row `row`: `InBlocks.stats_of`)
     restore: Optional[tuple] = None  # ("blocks", [ids]) or ("data", [per-layer tensors]): its first blocks' content
     allocated: bool = False  # vLLM gave it blocks (its KV is in them)
     error: Optional[str] = None
@@ -136,17 +137,6 @@ class Paged:
         if self.layout == "cpu":
             return k[blocks[:, None, :, None], heads[..., None], self.kmap[offsets][:, None]]
         return k[blocks[:, None, :], heads, offsets[:, None, :]]
-
-    def write(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
-        """keys, values [kv_heads, n, D] into these slots."""
-        k, v = self._regions(layer)
-        if self.layout == "cpu":
-            b = blocks[:, None]
-            k[b, :, self.kmap[offsets]] = keys.permute(1, 2, 0).to(k.dtype)  # [n, D, kv_heads]
-            v[b, :, self.vmap[offsets]] = values.permute(1, 2, 0).to(v.dtype)
-            return
-        k[blocks, :, offsets] = keys.transpose(0, 1).to(k.dtype)
-        v[blocks, :, offsets] = values.transpose(0, 1).to(v.dtype)
 
     def read_rows(self, layer: int, ids: torch.Tensor, n: int):
         """Rows' first n slots, each row's in its blocks ids [rows, nb] (whole blocks gathered at
@@ -296,7 +286,8 @@ class InBlocks:
         if evictor.observes_attention:
             if not evictor.bounded:
                 raise RuntimeError("an unbounded evictor that observes attention cannot live in vLLM's blocks")
-            if not kept_in_table(evictor):
+            r.in_table = kept_in_table(evictor)
+            if not r.in_table:
                 r.stats = [torch.zeros(kv_heads, evictor.trigger + 1) for _ in range(layers)]
             elif not r.row or evictor.trigger > self.table.span:
                 raise RuntimeError(f"H2O's statistic of a row compacted at {evictor.trigger} slots: past the table's "
@@ -347,7 +338,7 @@ class InBlocks:
 
     def stats_of(self, r: Resident) -> Optional[list]:
         """The request's statistic per layer ([kv_heads, width] views), or None (its evictor observes nothing)."""
-        if kept_in_table(r.evictor):
+        if r.in_table:
             return self.table.row(r.row)
         return r.stats
 
@@ -491,7 +482,7 @@ class InBlocks:
                 at.append(torch.arange(first, b))
                 rows.append(torch.full_like(j, r.row))
                 poss.append((r.written + j) % self.window)
-            if b - a == 1 and r.error is None and kept_in_table(r.evictor):
+            if b - a == 1 and r.error is None and r.in_table:
                 observed.append((a, r.row, r.phys + 1, self._ids(rid)))
             slot_tokens.append(torch.arange(a, b))
             slot_rows.append(torch.full((b - a,), i))
@@ -554,20 +545,16 @@ class InBlocks:
                                self.table.as_at_capture)
             else:
                 self.table.accumulate(lid, query, self.paged, heads, scale)
-        for rid, r, a, b, p0 in self.plan:  # observing rows not in the table's entries: eager, per row
-            table = kept_in_table(r.evictor)
-            if r.error or not r.evictor.observes_attention or (table and b - a == 1):
+        for rid, r, a, b, p0 in self.plan:  # observing rows not in the table's entries: their own observe(), eagerly
+            if r.error or not r.evictor.observes_attention or (r.in_table and b - a == 1):
                 continue
-            n = b - a
+            n = b - a  # a table row's prompt or chunk: its queries together, causally, as `hf` observes a prefill
             span = p0 + n
             blocks, offsets = self._slots(self._ids(rid), span)
             keys, _ = self.paged.read(lid, blocks, offsets)  # [Hkv, span, D]
-            q = query[a:b].reshape(n, impl.num_heads, impl.head_size).transpose(0, 1)  # [Hq, n, D]
-            if table:  # a prompt or chunk: its queries together, causally (`hf` observes a prefill so)
-                self.table.observe_row(lid, r.row, q, keys, p0, impl.scale)
-                continue
+            q = query[a:b].reshape(n, impl.num_heads, impl.head_size).transpose(0, 1)[None]  # [1, Hq, n, D]
             mask = torch.arange(span)[None, None, :] <= (p0 + torch.arange(n))[None, :, None]  # [1, n, span]
-            r.evictor.observe(r.stats[lid][None, :, :span], q[None], keys[None], mask.to(q.device), layer_idx=lid,
+            r.evictor.observe(self.stats_of(r)[lid][None, :, :span], q, keys[None], mask.to(q.device), layer_idx=lid,
                               scaling=impl.scale)
 
     @torch.inference_mode()

@@ -46,7 +46,7 @@ import torch
 from kvflow.backends.vllm.in_worker.beside import Beside, EvictedRequestError
 from kvflow.backends.vllm.in_worker.blocks import InBlocks, Paged
 from kvflow.backends.vllm.in_worker.replay import proxy_from_env
-from kvflow.backends.vllm.in_worker.statistic import kept_in_table, span_from_env
+from kvflow.backends.vllm.settings import kept_in_table, stat_span
 
 __all__ = ["EvictedRequestError", "RUNTIME", "Runtime", "register"]
 
@@ -59,9 +59,8 @@ class Runtime:
 
     def __init__(self) -> None:
         self.blocks = InBlocks(int(os.environ.get("KVFLOW_VLLM_QUERY_WINDOW", "32") or 32),
-                               int(os.environ.get("KVFLOW_VLLM_EVICTED_ROWS", "64") or 64), span_from_env())
+                               int(os.environ.get("KVFLOW_VLLM_EVICTED_ROWS", "64") or 64), stat_span())
         self.blocks.proxy = proxy_from_env()
-        self.blocks.table.fixed = self.blocks.proxy is not None
         self.beside = Beside()
         self.installed = False
         self.told: dict = {}  # the worker's own counters as the last end message told them
@@ -100,10 +99,10 @@ class Runtime:
         if ev.query_window > self.blocks.window:
             return (f"its query window {ev.query_window} is past this engine's {self.blocks.window} "
                     "(KVFLOW_VLLM_QUERY_WINDOW in the environment of kvflow's process)")
-        if ev.observes_attention and kept_in_table(ev) and ev.trigger > self.blocks.table.span:
+        if kept_in_table(ev) and ev.trigger > self.blocks.table.span:
             return (f"H2O's statistic of a request compacted at {ev.trigger} slots is past this engine's table of "
                     f"{self.blocks.table.span} (KVFLOW_VLLM_STAT_SPAN in the environment of kvflow's process)")
-        if ev.observes_attention and kept_in_table(ev) and self.mixed_graphs:
+        if kept_in_table(ev) and self.mixed_graphs:
             return ("vLLM replays batches with prompts from full CUDA graphs here (cudagraph_mode FULL), where kvflow "
                     "observes a prompt's H2O statistic eagerly: set `engine: {compilation_config: {cudagraph_mode: "
                     "FULL_AND_PIECEWISE}}` on this model entry")

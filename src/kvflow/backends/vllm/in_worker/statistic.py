@@ -19,9 +19,9 @@ Tables (made with the query ring, before vLLM profiles its memory or captures a 
 E = `KVFLOW_VLLM_EVICTED_ROWS`, S = `KVFLOW_VLLM_STAT_SPAN` (default 512, the longest physical
 row observed: an H2O request compacts at `trigger` <= S). The host writes the entries of the
 step's one-token rows (decode) before the forward (`fill`, from `blocks.InBlocks.prepared`);
-a row with several tokens in one step (a prompt, a chunk) is observed eagerly, its queries
-together under the causal mask (`observe_row`), as `hf` observes a prefill, which vLLM never
-replays from a graph. With `fixed` set (vLLM replays graphs, or the replay proxy), a forward of T
+a row with several tokens in one step (a prompt, a chunk, which vLLM never replays from a
+graph) is observed eagerly by the evictor's own `observe()` into its table row, its queries
+together under the causal mask, as `hf` observes a prefill (`blocks.InBlocks.attended`). With `fixed` set (vLLM replays graphs, or the replay proxy), a forward of T
 tokens (a captured size) reads its first min(T, E + 1) entries over S slots (each entry is a
 token of the step, packed first); eagerly only the step's entries over their longest row.
 
@@ -35,15 +35,12 @@ import contextlib
 
 import torch
 
-from kvflow.backends.vllm.settings import kept_in_table, stat_span as span_from_env
-
-__all__ = ["StatTable", "accumulated_attention", "decode_attention", "kept_in_table", "span_from_env"]
-
 _BMM_OUT_DTYPE = hasattr(torch.ops.aten.bmm, "dtype")  # bmm(..., out_dtype=) (CUDA and meta kernels; torch >= 2.8)
 
 
 def decode_attention(query: torch.Tensor, keys: torch.Tensor, length: torch.Tensor, scaling: float) -> torch.Tensor:
-    """`accumulated_attention` for one query per row, the keys where one gather put them.
+    """H2O's statistic's increment for one query per row: the attention each slot receives,
+    summed over the query heads of its KV head, the keys where one gather put them.
     query [M, Hq, D]; keys [M, Hkv, s, D]; length [M] (>= 1). Returns [M, Hkv, s] float32. On
     a GPU a low-precision model multiplies in its own dtype with float32 accumulation and output
     (no float32 copy of the keys); elsewhere in float32, as H2O's `observe()` does."""
@@ -60,19 +57,6 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, length: torch.Tens
     mask = torch.arange(span, device=keys.device)[None, :] < length[:, None]  # [M, s]
     logits.masked_fill_(~mask[:, None, None, :], float("-inf"))
     return torch.softmax(logits, dim=-1).sum(dim=2)
-
-
-def accumulated_attention(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:
-    """The attention each slot receives, summed over query heads of its KV head and over queries.
-    query [M, Hq, T, D]; keys [M, Hkv, s, D]; mask [M, T, s] bool (every query sees >= 1 slot).
-    Returns [M, Hkv, s] float32 (H2O's `observe()`, its increment)."""
-    rows, q_heads, t, d = query.shape
-    kv_heads, span = keys.shape[1], keys.shape[2]
-    g = q_heads // kv_heads
-    q = query.float().reshape(rows, kv_heads, g * t, d)
-    logits = torch.matmul(q, keys.float().transpose(-1, -2)).mul_(scaling)  # [M, Hkv, g*T, s]
-    logits = logits.view(rows, kv_heads, g, t, span).masked_fill_(~mask[:, None, None], float("-inf"))
-    return torch.softmax(logits, dim=-1).sum(dim=(2, 3))
 
 
 class StatTable:
@@ -157,11 +141,3 @@ class StatTable:
         keys = paged.keys_by_row(lid, self.blocks[:m, :s], self.offsets[:m, :s])  # [M, Hkv, s, D]: one gather
         add = decode_attention(q, keys, self.length[:m], scaling)  # [M, Hkv, s]
         self.stats[lid][:, :, :s].index_add_(0, self.target[:m], add)
-
-    def observe_row(self, lid: int, row: int, query: torch.Tensor, keys: torch.Tensor, first: int,
-                    scaling: float) -> None:
-        """A row's several tokens of one step, eagerly: query [Hq, n, D]; keys [Hkv, first + n, D]."""
-        n, span = query.shape[1], keys.shape[1]
-        mask = torch.arange(span)[None, :] <= (first + torch.arange(n))[:, None]  # [n, span] causal
-        add = accumulated_attention(query[None], keys[None], mask[None].to(query.device), scaling)
-        self.stats[lid][row, :, :span] += add[0]
