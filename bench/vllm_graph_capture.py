@@ -82,9 +82,11 @@ def main() -> int:
     times = []
     for step in range(3):  # the host admits requests: each token its ring row and position, between forwards
         n_tokens = bs - 3 * step  # fewer tokens than the capture size: the rest padded (row 0)
-        tok_row = torch.zeros(bs, dtype=torch.int64)
-        tok_row[:n_tokens] = torch.randint(1, rows + 1, (n_tokens,), generator=rng)
-        tok_pos = torch.randint(0, 32, (bs,), generator=rng)
+        # each (row, position) written by one token at most, as `InBlocks.prepared` maps them (two
+        # tokens on one place would leave the result to the kernel's write order)
+        place = torch.randperm(rows * 32, generator=rng)[:bs]
+        tok_row, tok_pos = 1 + place // 32, place % 32
+        tok_row[n_tokens:] = 0
         observed = [(t, int(tok_row[t]), int(torch.randint(1, span + 1, (1,), generator=rng)),
                      torch.randperm(blocks, generator=rng)[: span // block].tolist())
                     for t in range(0, min(n_tokens, rows), 2)]  # every other token's row observes (H2O)

@@ -61,8 +61,8 @@ def test_the_ring_write_replayed_on_new_token_maps_equals_eager(tokens):
     replayed.proxy = ReplayProxy()
     replayed.table.fixed = True  # as `evict.Runtime` sets it under the proxy: the ring written at every forward
     for _ in range(3):  # new token maps each step, as `prepared` writes them between forwards
-        rows = torch.randint(0, 6, (tokens,), generator=g)
-        pos = torch.randint(0, 4, (tokens,), generator=g)
+        place = torch.randperm(6 * 4, generator=g)[:tokens]  # one token per (row, position), as `prepared` maps
+        rows, pos = place // 4, place % 4
         q = torch.randn(tokens, q_heads * d, generator=g)
         for b in (eager, replayed):
             b.tok_row.zero_()
