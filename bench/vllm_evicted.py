@@ -74,7 +74,11 @@ def main() -> None:
         for memory in args.memory.split(","):
             settings = _settings(backend, memory, args.tight_tokens, kv_bytes_per_token, max(lengths))
             for label, ev in ((args.evictor, evictor), ("full", full)):
-                cfg = ModelConfig(backend=backend, id=args.model, dtype=args.dtype, device=args.device, engine=settings)
+                cfg = ModelConfig(backend=backend, id=args.model, dtype=args.dtype, device=args.device)
+                # as `kvflow run` starts a run's only engine (Backend.cpu_settings: alone on the CPU)
+                if args.device == "cpu":
+                    settings = {**backend_named(backend, reg).cpu_settings(cfg, 1), **settings}
+                cfg = cfg.model_copy(update={"engine": settings})
                 evicting = label != "full"
                 engine = backend_named(backend, reg).load(cfg, evicting=evicting,
                                                    evictors=[(type(ev), ev.params)] if evicting else [])

@@ -115,14 +115,14 @@ def test_stats_follow_kept_slots_and_rows():
     cache = runner.new_cache(ev, 2)
     pending = runner.prefill(cache, [list(range(5, 14)), list(range(20, 24))])  # 8 and 3 cached
     keep_calls = []
-    orig = ev.select
+    orig = ev.select_layers
 
-    def spy(*a, **kw):
-        keep = orig(*a, **kw)
-        keep_calls.append((kw["stats"].clone(), keep))
-        return keep
+    def spy(*a, **kw):  # each layer's statistic as compaction read it, and its kept slots
+        for layer, keep, read in orig(*a, **kw):
+            keep_calls.append((read[3].clone(), keep))
+            yield layer, keep, read
 
-    ev.select = spy
+    ev.select_layers = spy
     for _ in range(4):  # row 0 reaches 12 = budget + buffer and is compacted
         pending = runner.forward(cache, pending[:, None]).argmax(-1).cpu()
     assert cache.rows.compactions.tolist() == [1, 0] and len(keep_calls) == len(cache.layers)

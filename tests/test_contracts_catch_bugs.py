@@ -284,7 +284,18 @@ class GlobalRNGEvictor(Evictor):
         return torch.rand(keys.shape[:3])
 
 
+class LayerScoredEvictor(Evictor):
+    """Key norms scaled by the layer, yet declared layer invariant: stacked layers score as layer 0."""
+
+    Params = EvictorParams
+    layer_invariant = True
+
+    def score(self, keys, values, queries, *, layer_idx, **kwargs):
+        return keys.float().norm(dim=-1) * (1.0 + layer_idx * torch.arange(keys.shape[2]) / keys.shape[2])
+
+
 @pytest.mark.parametrize("cls,test,message,args", [
+    (LayerScoredEvictor, "test_select_layers_keeps_what_select_keeps", "must score from its rows' tensors alone", ()),
     (BatchMeanEvictor, "test_select_is_batch_independent", "kept different slots for the row alone and inside a batch",
      ("qwen2",)),
     (TopkEvictor, "test_select_is_tie_stable", "tied scores must keep the earliest slots", ("qwen2",)),

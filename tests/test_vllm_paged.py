@@ -1,7 +1,7 @@
 """`blocks.Paged`: reading and writing vLLM's KV blocks per slot and per row, on every layout kvflow meets.
 
 Compaction reads the rows that compact together by whole blocks (`read_rows`: one gather of the
-blocks, untiled by strided copies) and writes their kept slots back (`write_rows`); both must
+blocks, untiled by strided copies) and writes their kept slots back (`row_writer`); both must
 agree slot for slot with the per-slot `read` for FLASH_ATTN's layout ("split"), vLLM's
 CPU kernel's tiled layout (a VNNI-like tiling of slots and dims, found by `tiling`) and a CPU
 layout that is no tiling (a random permutation: the per-slot fallback). No vLLM needed.
@@ -52,7 +52,7 @@ def test_rows_read_and_written_as_slot_by_slot(kind):
         assert torch.equal(keys[r], k) and torch.equal(values[r], v)
     new_k, new_v = keys[:, :, :m].flip(2) + 1, values[:, :, :m].flip(2) - 1
     other = [c.clone() for c in paged.caches]
-    paged.write_rows(1, ids[:, :1], new_k, new_v)
+    paged.row_writer(ids[:, :1], m)(1, new_k, new_v)
     for r in range(3):
         k, v = paged.read(1, ids[r, :1].expand(m), torch.arange(m))
         assert torch.equal(k, new_k[r]) and torch.equal(v, new_v[r])

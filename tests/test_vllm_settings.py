@@ -162,3 +162,51 @@ def test_the_worker_says_why_an_engine_cannot_run_evicted_requests():
     assert runtime.refusal(rkv) is None and "CPU" in runtime.refusal(pyramid)
     runtime.problem = "several KV cache groups"
     assert runtime.refusal(rkv) == "several KV cache groups"
+
+
+def test_a_vllm_worker_alone_on_the_cpu_waits_actively_and_one_beside_others_takes_its_share(tmp_path, monkeypatch):
+    """`Backend.cpu_settings`: the run's only engine on the CPU (base and helper on one vLLM
+    model entry) gets `openmp_spin` (its idle OpenMP threads spin ~0.4 ms before sleeping:
+    GOMP_SPINCOUNT in the worker's environment); beside another engine (a second vLLM entry, an
+    `hf` one) it gets its share of the cores (`openmp_threads`: OMP_NUM_THREADS) and waits
+    passively; Ray workers are left as they are; the entry's own setting and the caller's
+    environment win."""
+    from kvflow.backends.served import settings
+    from kvflow.backends.served.settings import OPENMP_SPIN_COUNT
+    from kvflow.backends.vllm.settings import engine_kwargs, worker_env
+    from kvflow.config.validate import load_pipeline
+    from kvflow.runtime.compile import cpu_engines
+
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(settings, "usable_cores", lambda: 4)
+    on_vllm = {"models": {"base": {"backend": "vllm"}, "helper": {"backend": "vllm"}}}
+
+    def engines(name: str, extra: dict) -> dict:
+        path = tiny_pipeline(tmp_path / name, problems=1, extra=extra)
+        models = cpu_engines(load_pipeline(path)).pipeline.models
+        return {key: models[key].engine or {} for key in ("base", "helper")}
+
+    alone = engines("alone", {**on_vllm, "proposers": {"helper": {"model": "base"}}})
+    assert alone == {"base": {"openmp_spin": True}, "helper": {}}  # helper: unused
+    env = worker_env(engine_kwargs(load_pipeline(tmp_path / "alone" / "tiny.yaml").pipeline.models["base"]
+                                   .model_copy(update={"engine": alone["base"]})))
+    assert env["GOMP_SPINCOUNT"] == OPENMP_SPIN_COUNT and env["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert "OMP_NUM_THREADS" not in env
+    assert engines("two", on_vllm) == {"base": {"openmp_threads": 2}, "helper": {"openmp_threads": 2}}
+    assert engines("beside_hf", {"models": {"base": {"backend": "vllm"}}}) == {"base": {"openmp_threads": 2},
+                                                                                 "helper": {}}
+    env = worker_env({"openmp_threads": 2})
+    assert env["OMP_NUM_THREADS"] == "2" and "GOMP_SPINCOUNT" not in env
+    assert engines("ray", {**on_vllm, "proposers": {"helper": {"model": "base"}},
+                           "run": {"executor": "ray"}})["base"] == {}
+    own = engines("own", {"models": {"base": {"backend": "vllm", "engine": {"openmp_spin": False}},
+                                     "helper": {"backend": "vllm"}}, "proposers": {"helper": {"model": "base"}}})
+    assert own["base"] == {"openmp_spin": False}
+    assert "GOMP_SPINCOUNT" not in worker_env({"openmp_spin": False})
+    monkeypatch.setenv("GOMP_SPINCOUNT", "0")
+    assert worker_env({"openmp_spin": True})["GOMP_SPINCOUNT"] == "0"
+    from kvflow.backends.base import backend_named
+
+    sglang = backend_named("sglang")  # its cores are SGLang's own binding: only the wait is kvflow's
+    assert sglang.cpu_settings(None, 1) == {"openmp_spin": True} and sglang.cpu_settings(None, 2) == {}

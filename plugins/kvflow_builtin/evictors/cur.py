@@ -56,6 +56,10 @@ class CUREvictor(Evictor):
 
     Params = CURParams
 
+    @property
+    def layer_invariant(self) -> bool:  # the random projection draws from the rows' generators
+        return not self.params.use_random_leverage
+
     def score(self, keys, values, queries, *, layer_idx, lengths, generators, **kwargs):
         p = self.params
         k, v = keys.float(), values.float()

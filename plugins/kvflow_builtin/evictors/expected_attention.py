@@ -98,6 +98,7 @@ class ExpectedAttentionEvictor(Evictor):
     """Keep the tokens future queries are expected to attend to most (kvpress's ExpectedAttention)."""
 
     Params = ExpectedAttentionParams
+    layer_invariant = True  # scores from the rows' tensors alone (Evictor.select_layers stacks layers)
 
     @property
     def query_window(self) -> int:

@@ -42,6 +42,7 @@ class H2OEvictor(Evictor):
     """H2O: keep the tokens with the most accumulated attention, plus the most recent ones."""
 
     Params = H2OParams
+    layer_invariant = True  # scores from the rows' tensors alone (Evictor.select_layers stacks layers)
     observes_attention = True
     observed_statistic = "accumulated_attention"  # engines' decode graphs compute it themselves
 

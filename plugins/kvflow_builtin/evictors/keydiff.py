@@ -32,6 +32,7 @@ class KeyDiffEvictor(Evictor):
     """Keep the tokens least similar to the mean key direction (Park et al. 2025)."""
 
     Params = KeyDiffParams
+    layer_invariant = True  # scores from the rows' tensors alone (Evictor.select_layers stacks layers)
 
     def score(self, keys, values, queries, *, layer_idx, lengths, generators, **kwargs):
         k = keys.float()

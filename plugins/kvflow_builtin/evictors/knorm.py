@@ -27,6 +27,7 @@ class KnormEvictor(Evictor):
     """Keep the tokens with the smallest key norms (Devoto et al. 2024)."""
 
     Params = KnormParams
+    layer_invariant = True  # scores from the rows' tensors alone (Evictor.select_layers stacks layers)
 
     def score(self, keys, values, queries, *, layer_idx, lengths, generators, **kwargs):
         return -keys.float().norm(dim=-1)  # [rows, kv_heads, N]

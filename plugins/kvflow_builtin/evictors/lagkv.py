@@ -51,6 +51,7 @@ class LagKVEvictor(Evictor):
     """Keep each partition's tokens that stand out against the next partition (Liang et al. 2025)."""
 
     Params = LagKVParams
+    layer_invariant = True  # scores from the rows' tensors alone (Evictor.select_layers stacks layers)
 
     def _row(self, keys, values, length: int):
         """keys, values [kv_heads, length, d] -> scores [kv_heads, length] float32."""

@@ -87,6 +87,7 @@ class RKVEvictor(Evictor):
     """R-KV: attention importance minus key redundancy (near-duplicate keys are evicted first)."""
 
     Params = RKVParams
+    layer_invariant = True  # scores from the rows' tensors alone (Evictor.select_layers stacks layers)
 
     @property
     def query_window(self) -> int:

@@ -54,6 +54,7 @@ class SnapKVEvictor(Evictor):
     """Decode-time SnapKV: recent queries' attention, pooled, picks the kept tokens."""
 
     Params = SnapKVParams
+    layer_invariant = True  # scores from the rows' tensors alone (Evictor.select_layers stacks layers)
 
     @property
     def query_window(self) -> int:

@@ -40,6 +40,7 @@ class StreamingEvictor(Evictor):
     """StreamingLLM: keep the first n_sink tokens (attention sinks) and the most recent ones."""
 
     Params = StreamingParams
+    layer_invariant = True  # scores from the rows' tensors alone (Evictor.select_layers stacks layers)
 
     def score(self, keys, values, queries, *, layer_idx, lengths, generators, **kwargs):
         rows, kv_heads, n, _ = keys.shape

@@ -43,6 +43,7 @@ class TOVAEvictor(Evictor):
     """TOVA: keep the tokens the newest query attends to most (Oren et al. 2024)."""
 
     Params = TOVAParams
+    layer_invariant = True  # scores from the rows' tensors alone (Evictor.select_layers stacks layers)
 
     @property
     def query_window(self) -> int:

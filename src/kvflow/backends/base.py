@@ -86,6 +86,15 @@ class Backend:
         return None
 
     @staticmethod
+    def cpu_settings(model_cfg, engines: int) -> dict:
+        """Engine settings for an entry that computes on the CPU, given how many engines of the
+        run compute on it (`engines`, this one included; kvflow's compiler counts them): a worker
+        process alone may let its idle threads wait actively between ops; engines that share
+        the cores should split them rather than each take them all. The entry's own `engine:`
+        settings win."""
+        return {}
+
+    @staticmethod
     def gpu_layout(model_cfg) -> GpuLayout:
         """How this entry's engine occupies GPUs (the placement's input)."""
         return GpuLayout()

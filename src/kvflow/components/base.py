@@ -84,6 +84,17 @@ class Evictor:
     #: time). None: only this class's own `observe()` computes it. A subclass that overrides
     #: `observe()` without declaring it again declares nothing (`observed_statistic()`).
     observed_statistic: ClassVar[Optional[str]] = None
+    #: True when `score()` reads neither `layer_idx` nor `generators`: a layer's scores are a
+    #: function of its rows' tensors alone, so a compaction may score several layers' rows in
+    #: one call (`select_layers` stacks them on the rows axis). The evictor contract checks the
+    #: kept slots are those of one layer at a time. A subclass that overrides `score()`,
+    #: `ranked_scores()` or `select()` without declaring it again declares nothing
+    #: (`scores_layers_alike()`).
+    layer_invariant: ClassVar[bool] = False
+    #: `select_layers`' bound on one stacked call's largest intermediate (rows x kv_heads x N x
+    #: max(N, head_dim) float32): past a few MiB a stacked call leaves the CPU's caches and got
+    #: slower than one call per layer (R-KV on a 2-core Xeon: 4 rows x 15 layers 2x slower than x 10)
+    STACK_BYTES: ClassVar[int] = 3 << 20
 
     def __init__(self, params: EvictorParams) -> None:
         """kvflow builds one evictor per proposer as `Evictor(params)`, `params` its validated
@@ -304,8 +315,53 @@ class Evictor:
                                  self.head_floor(budget))
         return keep_top(scores, budget)  # [rows, kv_heads, budget]
 
+    def select_layers(self, num_layers: int, read: Callable[[int], tuple], *, lengths: "_torch.Tensor",
+                      n_protected: "_torch.Tensor", generators: Sequence["_torch.Generator"]):
+        """`select()` for the same rows in every layer of a compaction, in layer order: yields
+        (layer, keep [rows, kv_heads, budget], read(layer)), so that the caller writes each
+        layer's kept slots from the tensors it read.
 
-# --------------------------------------------------------------------------- pruners
+        read(layer) -> (keys, values, queries, stats) as `select()` takes them (queries and
+        stats may be None). An evictor whose layers keep the same budget and score alike
+        (`scores_layers_alike`) has consecutive layers scored in one call, stacked on the rows
+        axis, as many as keep the call's largest intermediate under `STACK_BYTES`; any other
+        is called once per layer, its `generators` drawn layer after layer. The kept slots are
+        the same either way (rows are scored independently: `select()`'s contract). Why: on a
+        CPU a compaction of a few rows is per-op overhead times the layers (R-KV: ~0.6 ms of
+        ~100 small ops per layer on two cores, ~0.15 ms per layer stacked; docs/benchmarks.md)."""
+        rows = int(lengths.shape[0])
+        per_call, pending = 1, {}
+        if scores_layers_alike(self) and not self.varies(num_layers):
+            pending[0] = read(0)  # its shape sizes the stacked calls
+            _, kv_heads, n, d = pending[0][0].shape
+            per_call = max(1, self.STACK_BYTES // (rows * kv_heads * n * max(n, d) * 4))
+        for start in range(0, num_layers, per_call):
+            layers = range(start, min(start + per_call, num_layers))
+            got = [pending.pop(layer, None) or read(layer) for layer in layers]
+            if len(got) == 1:
+                keys, values, queries, stats = got[0]
+                keep = self.select(keys, values, queries, layer_idx=start, lengths=lengths,
+                                   n_protected=n_protected, generators=generators, stats=stats)
+            else:  # [k x rows, ...]: layer i's rows at [i x rows, (i + 1) x rows)
+                k = len(got)
+                cat = lambda i: torch.cat([g[i] for g in got]) if got[0][i] is not None else None  # noqa: E731
+                keep = self.select(cat(0), cat(1), cat(2), layer_idx=start, lengths=lengths.repeat(k),
+                                   n_protected=n_protected.repeat(k), generators=list(generators) * k, stats=cat(3))
+            for i, layer in enumerate(layers):
+                yield layer, keep[i * rows: (i + 1) * rows], got[i]
+
+
+def scores_layers_alike(evictor: "Evictor") -> bool:
+    """Whether a compaction may score several layers' rows of this evictor in one `select()`
+    call: its class declares `layer_invariant` and no class below that declaration overrides
+    `score()`, `ranked_scores()` or `select()` (an override may read `layer_idx` or draw from
+    `generators`)."""
+    for klass in type(evictor).__mro__:
+        if "layer_invariant" in vars(klass):
+            return bool(evictor.layer_invariant)
+        if any(name in vars(klass) for name in ("score", "ranked_scores", "select")):
+            return False
+    return False
 
 
 def observed_statistic(evictor: "Evictor") -> Optional[str]:
@@ -315,6 +371,9 @@ def observed_statistic(evictor: "Evictor") -> Optional[str]:
         if "observed_statistic" in vars(klass):
             return klass.observed_statistic if type(evictor).observe is klass.observe else None
     return None
+
+
+# --------------------------------------------------------------------------- pruners
 
 
 class Pruner:

@@ -137,6 +137,7 @@ def build_plan(loaded: LoadedPipeline, registry, on_load: Callable[[str], None] 
     loaded = deterministic_engines(loaded)
     loaded = scorer_engines(loaded)
     loaded = kv_memory_engines(loaded)
+    loaded = cpu_engines(loaded)
     pipe = loaded.pipeline
     engines: dict[str, object] = {}
     evicting = {p.model for p in pipe.proposers.values() if p.evictor.kind != "none"}
@@ -271,6 +272,33 @@ def deterministic_engines(loaded: LoadedPipeline, registry=None) -> LoadedPipeli
         settings, _ = batch_invariant(registry, models[key])
         if settings:
             models[key] = models[key].model_copy(update={"engine": {**(models[key].engine or {}), **settings}})
+    return dataclasses.replace(loaded, pipeline=pipe.model_copy(update={"models": models}))
+
+
+def cpu_engines(loaded: LoadedPipeline, registry=None) -> LoadedPipeline:
+    """Each used model's entry on the CPU gets the settings its backend names for computing
+    there with the run's other engines (`Backend.cpu_settings(model_cfg, engines)`: how many
+    compute on the CPU; entries with equal settings load as one engine), under the entry's own
+    `engine:` settings. Not under `executor: ray`, whose workers are given CPUs by Ray."""
+    import dataclasses
+
+    from kvflow.models.loading import resolve_device
+    from kvflow.registry import get_registry
+
+    pipe = loaded.pipeline
+    if pipe.run.executor == "ray":
+        return loaded
+    models = dict(pipe.models)
+    on_cpu = [key for key in used_models(loaded) if resolve_device(models[key].device) == "cpu"]
+    engines = []  # one per set of equal entries (build_plan loads twins as one model)
+    for key in on_cpu:
+        if not any(models[key] == other for other in engines):
+            engines.append(models[key])
+    registry = registry or get_registry()
+    for key in on_cpu:
+        extra = backend_named(models[key].backend, registry).cpu_settings(models[key], len(engines))
+        if extra:
+            models[key] = models[key].model_copy(update={"engine": {**extra, **(models[key].engine or {})}})
     return dataclasses.replace(loaded, pipeline=pipe.model_copy(update={"models": models}))
 
 

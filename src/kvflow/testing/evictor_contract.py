@@ -31,6 +31,8 @@ What is checked, for bounded evictors (for `bounded = False` ones only what appl
 - ties: equal scores keep the earlier slot, alone and batched alike (a repeated token's keys);
 - selection is batch-independent, exactly: the same tensors give the same kept slots for a
   row alone as inside a batch (rows of different lengths, protected prompts, exact ties);
+- `select_layers()` (compaction's call) keeps what `select()` one layer at a time keeps
+  (an evictor that declares `layer_invariant` is scored with its layers stacked);
 - `select()`: exactly `budget` slots per (row, KV head), strictly ascending (time order, no
   duplicates), inside the row, the recent window and the protected prompt always among them,
   for every architecture (GQA 2 and 3 KV heads, MHA), rows of different lengths, float32
@@ -65,7 +67,7 @@ from typing import Any, Callable, ClassVar
 
 import pytest
 
-from kvflow.components.base import EvictorParams
+from kvflow.components.base import EvictorParams, scores_layers_alike
 from kvflow.testing.component_contract import ComponentContract
 from kvflow.testing.evictor_decode import (ARGMAX_TIE, PROMPTS, ROW_SEEDS, decode, recorded_decode,  # noqa: F401
                                            same_until_explained, shapes)
@@ -256,6 +258,43 @@ class EvictorContract(ComponentContract):
                 f"row {r}: select() kept different slots for the row alone and inside a batch of {rows}, from the "
                 "same tensors: a row's scores must depend on its own keys, values, queries, statistics, length "
                 "and generator only (not on the other rows, the batch size, or the padded width's contents)")
+
+    def test_select_layers_keeps_what_select_keeps(self, evictor_factory):
+        """`select_layers()` (what every engine's compaction calls) keeps, layer by layer,
+        exactly what `select()` called one layer at a time keeps, from the same tensors and
+        fresh generators: an evictor that declares `layer_invariant` has its layers scored
+        stacked on the rows axis, so its scores must read neither `layer_idx` nor `generators`."""
+        import torch
+
+        ev = self.make(evictor_factory)
+        self._needs_bounded(ev)
+        q_heads, kv_heads, d = shapes("qwen2")
+        layers, n = 5, ev.trigger
+        lengths = torch.tensor([n, n - 2, n])
+        rows = len(lengths)
+        g = torch.Generator().manual_seed(11)
+        data = []
+        for _ in range(layers):
+            keys, values = torch.randn(rows, kv_heads, n, d, generator=g), torch.randn(rows, kv_heads, n, d, generator=g)
+            queries = torch.randn(rows, q_heads, ev.query_window, d, generator=g) if ev.query_window else None
+            stats = torch.rand(rows, kv_heads, n, generator=g) if ev.observes_attention else None
+            data.append((keys, values, queries, stats))
+        n_protected = torch.tensor([ev.n_protected(p) for p in (2, 0, 4)])
+        ev.STACK_BYTES = 2 * rows * kv_heads * n * max(n, d) * 4  # stacked calls of 2, 2 and 1 layers
+        gens = lambda: [torch.Generator().manual_seed(200 + i) for i in range(rows)]  # noqa: E731
+        one_by_one, drawn = [], gens()
+        for layer, (keys, values, queries, stats) in enumerate(data):
+            one_by_one.append(ev.select(keys, values, queries, layer_idx=layer, lengths=lengths,
+                                        n_protected=n_protected, generators=drawn, stats=stats))
+        got = list(ev.select_layers(layers, lambda layer: data[layer], lengths=lengths, n_protected=n_protected,
+                                    generators=gens()))
+        assert [layer for layer, _, _ in got] == list(range(layers))
+        for layer, keep, read in got:
+            assert read is data[layer]
+            assert torch.equal(keep, one_by_one[layer]), (
+                f"layer {layer}: select_layers() kept other slots than select() one layer at a time"
+                + (" with the layers stacked: an evictor that declares `layer_invariant` must score from its "
+                   "rows' tensors alone (not layer_idx, not generators)" if scores_layers_alike(ev) else ""))
 
     @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
     @pytest.mark.parametrize("protect", [False, True])

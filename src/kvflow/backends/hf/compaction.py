@@ -44,7 +44,9 @@ class Compaction:
             return
         if self.quant:
             view_index = self.view_index(self.rows.n_quantized.index_select(0, rows), n).to(self.device)
-        for layer_idx, layer in enumerate(self.layers):
+
+        def read(layer_idx: int):
+            layer = self.layers[layer_idx]
             if self.quant:
                 keys, values = layer.logical(view_index, dev_rows)
             else:
@@ -52,10 +54,12 @@ class Compaction:
                 values = layer.values.index_select(0, dev_rows)[:, :, :n]
             queries = layer.queries.index_select(0, dev_rows) if layer.queries is not None else None
             stats = layer.stats.index_select(0, dev_rows)[:, :, :n] if layer.stats is not None else None
-            keep = self.evictor.select(
-                keys, values, queries, layer_idx=layer_idx, lengths=lengths,
-                n_protected=self.rows.n_protected.index_select(0, rows), generators=generators, stats=stats,
-            )  # [rows, kv_heads, budget]
+            return keys, values, queries, stats
+
+        for layer_idx, keep, (keys, values, _, stats) in self.evictor.select_layers(
+                len(self.layers), read, lengths=lengths, n_protected=self.rows.n_protected.index_select(0, rows),
+                generators=generators):  # keep: [rows, kv_heads, budget]
+            layer = self.layers[layer_idx]
             idx = keep.to(self.device)[..., None]
             kept_keys = keys.gather(2, idx.expand(-1, -1, -1, keys.shape[-1]))  # [rows, kv_heads, budget, D]
             kept_values = values.gather(2, idx.expand(-1, -1, -1, values.shape[-1]))

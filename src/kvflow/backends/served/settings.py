@@ -9,9 +9,56 @@ hooks cannot run under (`REFUSED` rule tables: (key, bad(value), why)). Each bac
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Iterable, Optional
 
 Rule = tuple[str, Callable[[Any], bool], str]  # (engine argument, bad(value), why)
+
+#: kvflow's own engine settings for a worker on the CPU (`Backend.cpu_settings` returns them;
+#: `openmp_env` turns them into the worker's environment and the worker drops them from its
+#: engine's arguments). `openmp_spin`, where the worker is the run's only engine on the CPU: its
+#: idle OpenMP threads wait actively for a while (`GOMP_SPINCOUNT=OPENMP_SPIN_COUNT`) before they
+#: sleep, instead of sleeping at once (the workers' `OMP_WAIT_POLICY=PASSIVE`): a passive wait
+#: costs ~0.1 ms to wake a thread for every parallel op, and a CPU forward and kvflow's
+#: compactions run hundreds of them a step. `openmp_threads`, where engines share the CPU: the
+#: worker's share of the cores (`OMP_NUM_THREADS`), so that concurrent engines do not
+#: oversubscribe them. docs/benchmarks.md#openmp has both measured.
+OPENMP_SPIN, OPENMP_THREADS = "openmp_spin", "openmp_threads"
+#: spins before an idle OpenMP thread sleeps: ~0.45 ms of one core after an op (2-core Xeon)
+OPENMP_SPIN_COUNT = "10000"
+
+
+def sharing_key(engine_kwargs: dict) -> dict:
+    """The engine arguments that decide whether a running worker can serve an entry: all but
+    kvflow's OpenMP settings, which change how fast a worker waits, not what it computes (a run
+    shares the worker a test session or an earlier run started)."""
+    return {k: v for k, v in engine_kwargs.items() if k not in (OPENMP_SPIN, OPENMP_THREADS)}
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity), which a worker started from it inherits."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not on Linux
+        return os.cpu_count() or 1
+
+
+def openmp_settings(engines: int, *, share_threads: bool = True) -> dict:
+    """`Backend.cpu_settings` of a worker: alone (`engines` <= 1) its threads wait actively a
+    while; beside others, its share of the cores (`share_threads`: the engine honours
+    OMP_NUM_THREADS)."""
+    if engines <= 1:
+        return {OPENMP_SPIN: True}
+    return {OPENMP_THREADS: max(1, usable_cores() // engines)} if share_threads else {}
+
+
+def openmp_env(env: dict, engine_kwargs: dict) -> None:
+    """The worker's OpenMP environment for kvflow's settings (`OPENMP_SPIN`, `OPENMP_THREADS`);
+    what `env` already sets wins. GOMP_SPINCOUNT overrides OMP_WAIT_POLICY's spin count (libgomp)."""
+    if engine_kwargs.get(OPENMP_SPIN):
+        env.setdefault("GOMP_SPINCOUNT", OPENMP_SPIN_COUNT)
+    if engine_kwargs.get(OPENMP_THREADS):
+        env.setdefault("OMP_NUM_THREADS", str(int(engine_kwargs[OPENMP_THREADS])))
 
 
 def reserved_problem(engine: dict, reserved: dict) -> Optional[tuple[str, str]]:

@@ -124,6 +124,15 @@ class SGLangBackend(Backend):
                 + " (docs/backends.md, \"Running on GPUs\")"]
 
     @staticmethod
+    def cpu_settings(model_cfg, engines: int) -> dict:
+        """Alone on the CPU, the worker's idle OpenMP threads wait actively a little before they
+        sleep (`served.settings.openmp_settings`); beside other engines they sleep at once (its
+        cores are SGLang's own binding, not OMP_NUM_THREADS: not split here)."""
+        from kvflow.backends.served.settings import openmp_settings
+
+        return openmp_settings(engines, share_threads=False)
+
+    @staticmethod
     def load(model_cfg, *, evicting: bool = True, evictors=None):
         """The model's engine. `evicting` (kvflow passes it): whether an evicted proposer runs
         on it; a full-context engine gets no kvflow hook at all. `evictors` (kvflow passes

@@ -62,13 +62,14 @@ def shared_worker(engine_kwargs: dict, where: str, evict: Optional[str] = None):
     """The running SGLang worker for these engine arguments and decode profile (`evict`: a
     `graph.Profile` as JSON for an engine that serves evicted proposers, None for one that does
     not: no kvflow hook then), started on first use. A running worker with the same arguments
-    whose profile covers the one asked for (`graph.Profile.covers`) serves too: a sweep, or a
+    (kvflow's OpenMP settings aside: `served.settings.sharing_key`) whose profile covers the one asked for (`graph.Profile.covers`) serves too: a sweep, or a
     test session, starts one engine, not one per budget or evictor; a full-context engine only
     ever shares a worker without kvflow's hooks."""
+    from kvflow.backends.served.settings import openmp_env, sharing_key
     from kvflow.backends.served.worker import Worker, shared
     from kvflow.backends.sglang.in_worker.graph import Profile
 
-    args = ("sglang", *sorted((k, repr(v)) for k, v in engine_kwargs.items()))
+    args = ("sglang", *sorted((k, repr(v)) for k, v in sharing_key(engine_kwargs).items()))
     key = (*args, ("kvflow_evict", evict))
 
     def covers(theirs: tuple, _worker) -> bool:
@@ -81,6 +82,7 @@ def shared_worker(engine_kwargs: dict, where: str, evict: Optional[str] = None):
         # SGLang's torch threads must not spin between ops while an `hf` engine in this
         # process decodes on the same cores
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        openmp_env(env, engine_kwargs)  # alone on the CPU: a short active wait first (Backend.cpu_settings)
         binding = cpu_binding(engine_kwargs)
         if binding and "SGLANG_CPU_OMP_THREADS_BIND" not in env:
             env["SGLANG_CPU_OMP_THREADS_BIND"] = binding

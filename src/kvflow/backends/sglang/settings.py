@@ -225,7 +225,9 @@ def _local_config(model_cfg) -> Optional[dict]:
 def check_settings(model_cfg) -> Optional[tuple[str, str]]:
     import difflib
 
-    names = server_arg_names()
+    from kvflow.backends.served.settings import OPENMP_SPIN, OPENMP_THREADS
+
+    names = server_arg_names() | {OPENMP_SPIN, OPENMP_THREADS}  # kvflow's own (Backend.cpu_settings)
     why = reserved_problem(model_cfg.engine or {}, RESERVED)
     if why:
         return why

@@ -88,6 +88,15 @@ class VLLMBackend(Backend):
         return {"batch_invariant": True}, None
 
     @staticmethod
+    def cpu_settings(model_cfg, engines: int) -> dict:
+        """Alone on the CPU, the worker's idle OpenMP threads wait actively a little before they
+        sleep; beside other engines, it runs on its share of the cores, waiting passively
+        (`served.settings.openmp_settings`)."""
+        from kvflow.backends.served.settings import openmp_settings
+
+        return openmp_settings(engines)
+
+    @staticmethod
     def load(model_cfg, *, evicting: bool = True, evictors=None):
         """The model's engine (one engine serves full-context and evicted requests alike)."""
         from kvflow.backends.vllm.loading import load_engine

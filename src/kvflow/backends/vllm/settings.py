@@ -20,7 +20,7 @@ import subprocess
 from pathlib import Path
 from typing import Optional
 
-from kvflow.backends.served.settings import entry_kwargs, model_problem, refused, reserved_problem
+from kvflow.backends.served.settings import entry_kwargs, model_problem, openmp_env, refused, reserved_problem
 
 #: the environment variable naming vLLM's interpreter (a python inside vLLM's own venv)
 PYTHON_ENV = "KVFLOW_VLLM_PYTHON"
@@ -190,10 +190,13 @@ def worker_env(engine_kwargs: dict) -> dict:
     """The worker's environment: vLLM's engine core in the worker process itself (one process
     to stop), no CPU binding (vLLM's own binds its threads to whole NUMA nodes and reserves
     cores, which a machine shared with kvflow's other engines does not have to spare), idle
-    OpenMP threads that sleep; what the caller's environment sets wins."""
+    OpenMP threads that sleep (after a short active wait where the worker has the CPU to
+    itself, on its share of the cores where it has not: `served.settings.openmp_env`); what
+    the caller's environment sets wins."""
     env = dict(os.environ)
     if engine_kwargs.get(BATCH_INVARIANT):  # run.deterministic on a GPU (VLLMBackend.batch_invariant)
         env["VLLM_BATCH_INVARIANT"] = "1"
+    openmp_env(env, engine_kwargs)
     for key, value in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                        "OMP_WAIT_POLICY": "PASSIVE", "PYTHONUNBUFFERED": "1",
                        "VLLM_NO_USAGE_STATS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}.items():

@@ -5,9 +5,10 @@ A mixin of `evict.Runtime` (`requests.py` holds `Live`). When a running row's no
 chosen by the request's evictor exactly as the `hf` cache chooses them, gathered into the row's
 first slots, and the rest go back to SGLang's allocator; the per-slot tables (`graph.Tables`:
 offset, holes, H2O's statistic) follow. Rows of one uniform-budget evictor and one length
-(the candidates of a fork come due together) compact at once: one `select` per layer over
-their rows; varying allocations (per-head holes) row by row. A request that ends with
-`save_as` has a copy of its state compacted here too (`_compacted`, from `Runtime.released`).
+(the candidates of a fork come due together) compact at once: `select` over their rows, a
+few layers per call where the evictor allows (`Evictor.select_layers`); varying allocations
+(per-head holes) row by row. A request that ends with `save_as` has a copy of its state
+compacted here too (`_compacted`, from `Runtime.released`).
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ class Compaction:
     """Compaction methods of `evict.Runtime` (its `tables`, `compactions` and `Live` rows)."""
 
     def _compact_rows(self, processor, batch, group: list) -> None:
-        """Compact rows of one uniform-budget evictor and one length together: one `select` per
-        layer for all of them (its rows axis, as the hf cache calls it), one gather and one
-        write per layer. group: [(batch index, req, live)]."""
+        """Compact rows of one uniform-budget evictor and one length together: their rows
+        selected together (`Evictor.select_layers`, as the hf cache calls it), one gather and
+        one write per layer. group: [(batch index, req, live)]."""
         pool = processor.req_to_token_pool
         kv = processor.token_to_kv_pool_allocator.get_kvcache()
         t = self.tables
@@ -45,13 +46,17 @@ class Compaction:
             pos = (torch.tensor([live.written for live in lives])[:, None] - w + torch.arange(w)) % t.window  # [G, w]
             pos = pos.to(t.device)
         kept = ev.params.budget
-        for layer in range(t.layers):
+
+        def read(layer: int):
             k = kv.k_buffer[layer][slots].transpose(1, 2)  # [G, kv_heads, n, D]
             v = kv.v_buffer[layer][slots].transpose(1, 2)
             queries = t.queries[layer][rows[:, None], pos].transpose(1, 2) if w else None  # [G, q_heads, w, D]
             stats = t.stats[layer][rows, :, :n] if ev.observes_attention else None  # [G, kv_heads, n]
-            keep = ev.select(k, v, queries, layer_idx=layer, lengths=lengths, n_protected=protected,
-                             generators=gens, stats=stats).to(k.device)  # [G, kv_heads, K]
+            return k, v, queries, stats
+
+        for layer, keep, (k, v, _, stats) in ev.select_layers(t.layers, read, lengths=lengths, n_protected=protected,
+                                                              generators=gens):
+            keep = keep.to(k.device)  # [G, kv_heads, K]
             idx = keep[..., None]
             kv.k_buffer[layer][slots[:, :kept]] = k.gather(2, idx.expand(-1, -1, -1, k.shape[-1])).transpose(1, 2)
             kv.v_buffer[layer][slots[:, :kept]] = v.gather(2, idx.expand(-1, -1, -1, v.shape[-1])).transpose(1, 2)

@@ -160,28 +160,38 @@ class Paged:
             out.append(grid.reshape(rows, h, nb * bs, d2 // 2)[:, :, :n])
         return out[0], out[1]
 
-    def write_rows(self, layer: int, ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """keys, values [rows, kv_heads, m, D] into each row's first m slots, its blocks ids [rows,
-        ceil(m / block_size)]: "split", whole blocks (slots past m, past the row's length, get
-        zeros); "cpu", one scatter per region over the flat cache (measured faster there than the
-        tiles' strided copies or a (block, slot) index)."""
-        kv = self.caches[layer]
+    def row_writer(self, ids: torch.Tensor, m: int):
+        """A writer of keys, values [rows, kv_heads, m, D] into each row's first m slots of every
+        layer, the rows' blocks ids [rows, ceil(m / block_size)]: write(layer, keys, values).
+        "split": whole blocks (slots past m get zeros); "cpu": one scatter per region over the
+        flat cache (measured faster there than the tiles' strided copies or a (block, slot)
+        index), its index computed once for all layers (the layers' caches share one shape)."""
+        kv = self.caches[0]
         rows, nb = ids.shape
         _, h, bs, d2 = kv.shape
-        m, d = keys.shape[2], d2 // 2
+        d = d2 // 2
         if self.layout == "cpu":
             j = torch.arange(m, device=kv.device)
-            flat = kv.view(-1)
             base = (ids[:, j // bs] * (h * bs * d2))[:, None, :, None] \
                 + (torch.arange(h, device=kv.device) * (bs * d2))[None, :, None, None]  # [rows, h, m, 1]
-            flat[(base + self.kmap[j % bs][None, None]).flatten()] = keys.to(kv.dtype).flatten()
-            flat[(base + (self.vmap[j % bs] + bs * d)[None, None]).flatten()] = values.to(kv.dtype).flatten()
-            return
-        blocks = torch.zeros(rows, nb, h, bs, 2, d, dtype=kv.dtype, device=kv.device)
-        for part, x in enumerate((keys, values)):
-            x = torch.nn.functional.pad(x, (0, 0, 0, nb * bs - m)).view(rows, h, nb, bs, d)  # [rows, h, nb, bs, D]
-            blocks[..., part, :].copy_(x.transpose(1, 2))
-        kv.index_copy_(0, ids.reshape(-1), blocks.view(rows * nb, h, bs, d2).to(kv.dtype))
+            at_keys = (base + self.kmap[j % bs][None, None]).flatten()  # [rows * h * m * D] flat places
+            at_values = (base + (self.vmap[j % bs] + bs * d)[None, None]).flatten()
+
+            def write(layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+                flat = self.caches[layer].view(-1)
+                flat.index_copy_(0, at_keys, keys.to(flat.dtype).flatten())
+                flat.index_copy_(0, at_values, values.to(flat.dtype).flatten())
+            return write
+        index = ids.reshape(-1)
+
+        def write(layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+            cache = self.caches[layer]
+            blocks = torch.zeros(rows, nb, h, bs, 2, d, dtype=cache.dtype, device=cache.device)
+            for part, x in enumerate((keys, values)):
+                x = torch.nn.functional.pad(x, (0, 0, 0, nb * bs - m)).view(rows, h, nb, bs, d)  # [rows, h, nb, bs, D]
+                blocks[..., part, :].copy_(x.transpose(1, 2))
+            cache.index_copy_(0, index, blocks.view(rows * nb, h, bs, d2))
+        return write
 
     def read_blocks(self, ids: list[int]) -> list:
         """These blocks' content per layer, in host memory (outside the pool: what a swap holds)."""
@@ -626,16 +636,20 @@ class InBlocks:
         gens = [torch.Generator().manual_seed((r.rng_key * 1_000_003 + r.compactions) % 2**63) for r in rs]
         at = self.windows(rs)  # the query window's place in the ring
         lengths, protected = torch.full((rows,), n), torch.tensor([r.n_protected for r in rs])
-        for lid in range(len(self.paged.caches)):
+        own = [self.stats_of(r) for r in rs] if ev.observes_attention else None
+
+        def read(lid: int):
             keys, values = self.paged.read_rows(lid, ids, n)  # [rows, kv_heads, n, D]
             window = self.ring[lid][at].transpose(1, 2) if at is not None else None  # [rows, Hq, W, D]
-            own = [self.stats_of(r) for r in rs] if ev.observes_attention else None
             stats = torch.stack([x[lid][:, :n] for x in own]) if own else None  # [rows, kv_heads, n]
-            keep = ev.select(keys, values, window, layer_idx=lid, lengths=lengths, n_protected=protected,
-                             generators=gens, stats=stats)  # [rows, kv_heads, budget]
-            idx = keep.to(keys.device)[..., None]
-            self.paged.write_rows(lid, kept_ids, keys.gather(2, idx.expand(-1, -1, -1, keys.shape[-1])),
-                                  values.gather(2, idx.expand(-1, -1, -1, values.shape[-1])))
+            return keys, values, window, stats
+
+        write = self.paged.row_writer(kept_ids, budget)
+        for lid, keep, (keys, values, _, stats) in ev.select_layers(
+                len(self.paged.caches), read, lengths=lengths, n_protected=protected, generators=gens):
+            idx = keep.to(keys.device)[..., None]  # [rows, kv_heads, budget, 1]
+            write(lid, keys.gather(2, idx.expand(-1, -1, -1, keys.shape[-1])),
+                  values.gather(2, idx.expand(-1, -1, -1, values.shape[-1])))
             if stats is not None:
                 for i, x in enumerate(own):
                     kept = stats[i].gather(1, keep[i].to(stats.device))

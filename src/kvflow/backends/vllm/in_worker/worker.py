@@ -299,6 +299,8 @@ def main() -> int:
         return 2
     kwargs = dict(hello["engine"])
     kwargs.pop("batch_invariant", None)  # kvflow's: VLLM_BATCH_INVARIANT is in this process's environment
+    for own in ("openmp_spin", "openmp_threads"):  # kvflow's: GOMP_SPINCOUNT, OMP_NUM_THREADS in this environment
+        kwargs.pop(own, None)
     try:
         import vllm
         from vllm import EngineArgs
