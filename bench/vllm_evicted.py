@@ -73,12 +73,11 @@ def main() -> None:
     for backend in args.engines.split(","):
         for memory in args.memory.split(","):
             settings = _settings(backend, memory, args.tight_tokens, kv_bytes_per_token, max(lengths))
+            entry = ModelConfig(backend=backend, id=args.model, dtype=args.dtype, device=args.device)
+            if args.device == "cpu":  # as `kvflow run` starts a run's only engine (Backend.cpu_settings: alone)
+                settings = {**backend_named(backend, reg).cpu_settings(entry, 1), **settings}
+            cfg = entry.model_copy(update={"engine": settings})
             for label, ev in ((args.evictor, evictor), ("full", full)):
-                cfg = ModelConfig(backend=backend, id=args.model, dtype=args.dtype, device=args.device)
-                # as `kvflow run` starts a run's only engine (Backend.cpu_settings: alone on the CPU)
-                if args.device == "cpu":
-                    settings = {**backend_named(backend, reg).cpu_settings(cfg, 1), **settings}
-                cfg = cfg.model_copy(update={"engine": settings})
                 evicting = label != "full"
                 engine = backend_named(backend, reg).load(cfg, evicting=evicting,
                                                    evictors=[(type(ev), ev.params)] if evicting else [])

@@ -28,10 +28,11 @@ OPENMP_SPIN, OPENMP_THREADS = "openmp_spin", "openmp_threads"
 OPENMP_SPIN_COUNT = "10000"
 
 
-def sharing_key(engine_kwargs: dict) -> dict:
-    """The engine arguments that decide whether a running worker can serve an entry: all but
-    kvflow's OpenMP settings, which change how fast a worker waits, not what it computes (a run
-    shares the worker a test session or an earlier run started)."""
+def engine_arguments(engine_kwargs: dict) -> dict:
+    """The arguments the engine itself takes: all but kvflow's OpenMP settings (in the worker's
+    environment instead). They alone decide whether a running worker can serve an entry: the
+    OpenMP settings change how fast its threads wait, not what it computes (a run shares the
+    worker a test session or an earlier run started)."""
     return {k: v for k, v in engine_kwargs.items() if k not in (OPENMP_SPIN, OPENMP_THREADS)}
 
 

@@ -62,14 +62,15 @@ def shared_worker(engine_kwargs: dict, where: str, evict: Optional[str] = None):
     """The running SGLang worker for these engine arguments and decode profile (`evict`: a
     `graph.Profile` as JSON for an engine that serves evicted proposers, None for one that does
     not: no kvflow hook then), started on first use. A running worker with the same arguments
-    (kvflow's OpenMP settings aside: `served.settings.sharing_key`) whose profile covers the one asked for (`graph.Profile.covers`) serves too: a sweep, or a
-    test session, starts one engine, not one per budget or evictor; a full-context engine only
-    ever shares a worker without kvflow's hooks."""
-    from kvflow.backends.served.settings import openmp_env, sharing_key
+    (kvflow's OpenMP settings aside: `served.settings.engine_arguments`) whose profile covers
+    the one asked for (`graph.Profile.covers`) serves too: a sweep, or a test session, starts
+    one engine, not one per budget or evictor; a full-context engine only ever shares a worker
+    without kvflow's hooks."""
+    from kvflow.backends.served.settings import openmp_env, engine_arguments
     from kvflow.backends.served.worker import Worker, shared
     from kvflow.backends.sglang.in_worker.graph import Profile
 
-    args = ("sglang", *sorted((k, repr(v)) for k, v in sharing_key(engine_kwargs).items()))
+    args = ("sglang", *sorted((k, repr(v)) for k, v in engine_arguments(engine_kwargs).items()))
     key = (*args, ("kvflow_evict", evict))
 
     def covers(theirs: tuple, _worker) -> bool:

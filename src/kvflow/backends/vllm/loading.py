@@ -37,14 +37,14 @@ def load_engine(model_cfg):
 
 def shared_worker(engine_kwargs: dict, where: str):
     """The running vLLM worker for these engine arguments (kvflow's OpenMP settings aside:
-    `served.settings.sharing_key`), started on first use with vLLM's interpreter
+    `served.settings.engine_arguments`), started on first use with vLLM's interpreter
     (`settings.vllm_python()`)."""
-    from kvflow.backends.served.settings import sharing_key
+    from kvflow.backends.served.settings import engine_arguments
     from kvflow.backends.served.worker import Worker, shared
     from kvflow.backends.vllm.settings import vllm_python, worker_env
 
     python = vllm_python()
-    key = ("vllm", str(python), *sorted((k, repr(v)) for k, v in sharing_key(engine_kwargs).items()))
+    key = ("vllm", str(python), *sorted((k, repr(v)) for k, v in engine_arguments(engine_kwargs).items()))
 
     def start() -> Worker:
         return Worker.start([str(python), str(WORKER)], worker_env(engine_kwargs),

@@ -33,6 +33,7 @@ import sys
 import threading
 import traceback
 
+from kvflow.backends.served.settings import engine_arguments
 from kvflow.backends.served.wire import ABORT, LENGTH, STOP_STRING, STOP_TOKEN, read_message, write_message
 
 
@@ -236,13 +237,10 @@ def main() -> int:
         os.environ["KVFLOW_SGLANG_EVICT"] = first["evict"]
     if _is_prm(first["engine"].get("model_path")):  # the plugin registers kvflow's PRM class for it
         os.environ["KVFLOW_SGLANG_PRM"] = "1"
-    kwargs = dict(first["engine"])
-    for own in ("openmp_spin", "openmp_threads"):  # kvflow's: in this process's environment (served.settings)
-        kwargs.pop(own, None)
     try:
         import sglang
 
-        engine = sglang.Engine(**kwargs)
+        engine = sglang.Engine(**engine_arguments(first["engine"]))  # kvflow's OpenMP settings: in the environment
     except BaseException as exc:  # noqa: BLE001 - the client shows it, naming the model entry
         write_message(out, ("error", None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"))
         return 1

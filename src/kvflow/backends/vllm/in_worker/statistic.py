@@ -21,9 +21,10 @@ row observed: an H2O request compacts at `trigger` <= S). The host writes the en
 step's one-token rows (decode) before the forward (`fill`, from `blocks.InBlocks.prepared`);
 a row with several tokens in one step (a prompt, a chunk, which vLLM never replays from a
 graph) is observed eagerly by the evictor's own `observe()` into its table row, its queries
-together under the causal mask, as `hf` observes a prefill (`blocks.InBlocks.attended`). With `fixed` set (vLLM replays graphs, or the replay proxy), a forward of T
-tokens (a captured size) reads its first min(T, E + 1) entries over S slots (each entry is a
-token of the step, packed first); eagerly only the step's entries over their longest row.
+together under the causal mask, as `hf` observes a prefill (`blocks.InBlocks.attended`). With
+`fixed` set (vLLM replays graphs, or the replay proxy), a forward of T tokens (a captured size)
+reads its first min(T, E + 1) entries over S slots (each entry is a token of the step, packed
+first); eagerly only the step's entries over their longest row.
 
 The math is H2O's own `observe()` (float32 logits, softmax, sum over the group's heads), so a
 request's statistic, and the slots it keeps, are those of the `hf` cache.

@@ -299,7 +299,9 @@ def main() -> int:
         return 2
     kwargs = dict(hello["engine"])
     kwargs.pop("batch_invariant", None)  # kvflow's: VLLM_BATCH_INVARIANT is in this process's environment
-    for own in ("openmp_spin", "openmp_threads"):  # kvflow's: GOMP_SPINCOUNT, OMP_NUM_THREADS in this environment
+    # kvflow's OpenMP settings (served.settings.engine_arguments, not importable before vLLM is):
+    # GOMP_SPINCOUNT, OMP_NUM_THREADS in this process's environment
+    for own in ("openmp_spin", "openmp_threads"):
         kwargs.pop(own, None)
     try:
         import vllm
