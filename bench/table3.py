@@ -152,7 +152,7 @@ def measure(doc: dict, kv_memory: int, directory: Path) -> dict:
         occupancy = session.occupancy.summary()
         for engine in session.engines.values():
             getattr(engine, "drain", lambda: None)()  # every request's end counted
-        counters = {key: {k: v for k, v in engine.stats().items() if isinstance(v, (int, float))}
+        counters = {key: {k: v for k, v in (engine.stats() or {}).items() if isinstance(v, (int, float))}
                     for key, engine in session.engines.items() if callable(getattr(engine, "stats", None))}
     in_process = all(m["backend"] == "hf" for m in doc["models"].values())  # SGLang decodes in its worker
     return {"problems": len(done), "wall_s": round(wall, 2), "cpu_s": round(cpu, 2) if in_process else None,
